@@ -1,0 +1,164 @@
+"""Blocks a producer keeps after a request finished, until its remote readers have pulled them.
+
+A producer (prefill instance) must not free a finished request's KV blocks while a consumer may
+still read them, yet must not keep them forever when a consumer dies. Each held request has a
+deadline; each reader that starts a pull takes a lease it renews while the pull runs. Blocks are
+freed when every expected reader said ``done``, when the deadline passed and no lease is current,
+or on abort. ``free_fn`` runs exactly once per request, outside the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+logger = logging.getLogger(__name__)
+
+FreeReason = Literal["done", "expired", "aborted"]
+
+
+@dataclass
+class _Hold:
+    expected_done: int
+    deadline: float
+    ttl_s: float
+    readers_done: set[str] = field(default_factory=set)
+    leases: dict[str, float] = field(default_factory=dict)  # reader in flight -> lease deadline
+    aborted: bool = False
+
+    def has_current_lease(self, now: float) -> bool:
+        return any(deadline > now for deadline in self.leases.values())
+
+
+class DelayedFreeTracker:
+    def __init__(
+        self,
+        free_fn: Callable[[str, FreeReason], None],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._free_fn = free_fn
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._holds: dict[str, _Hold] = {}
+
+    def hold(self, request_id: str, expected_done: int, ttl_s: float) -> None:
+        """Keep ``request_id``'s blocks until ``expected_done`` distinct readers finish or ``ttl_s`` passes."""
+        if expected_done <= 0:  # nobody will read: nothing to wait for
+            self._free([(request_id, "done")])
+            return
+        now = self._clock()
+        with self._lock:
+            current = self._holds.get(request_id)
+            if current is None:
+                self._holds[request_id] = _Hold(expected_done, now + ttl_s, ttl_s)
+                return
+            # Held twice (e.g. a retried finish): keep the readers seen, widen the limits.
+            current.expected_done = max(current.expected_done, expected_done)
+            current.deadline = max(current.deadline, now + ttl_s)
+            logger.debug("request %s held again", request_id)
+
+    def begin_read(self, request_id: str, reader_id: str, lease_s: float | None = None) -> bool:
+        """A reader starts pulling. False when the blocks are gone or going: it must not read them."""
+        now = self._clock()
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if hold is None or hold.aborted or reader_id in hold.readers_done:
+                return False
+            if hold.deadline <= now and not hold.has_current_lease(now):
+                return False  # expired, only waiting for expire() to free it
+            hold.leases[reader_id] = now + (hold.ttl_s if lease_s is None else lease_s)
+            return True
+
+    def renew(self, request_id: str, ttl_s: float, reader_id: str | None = None) -> bool:
+        """Extend one reader's lease (or the hold and all its leases). False when no longer held."""
+        now = self._clock()
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if hold is None:
+                return False
+            if reader_id is not None:
+                if reader_id not in hold.leases:
+                    return False
+                hold.leases[reader_id] = max(hold.leases[reader_id], now + ttl_s)
+                return True
+            hold.deadline = max(hold.deadline, now + ttl_s)
+            for reader in hold.leases:
+                hold.leases[reader] = max(hold.leases[reader], now + ttl_s)
+            return True
+
+    def done(self, request_id: str, reader_id: str) -> bool:
+        """A reader finished. True when this call freed the blocks (it was the last expected reader)."""
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if hold is None:
+                logger.debug("done(%s, %s) for a request not held (freed or unknown)", request_id, reader_id)
+                return False
+            hold.leases.pop(reader_id, None)
+            hold.readers_done.add(reader_id)  # a set: a repeated done from one reader counts once
+            if hold.aborted and not hold.leases:
+                reason: FreeReason = "aborted"
+            elif len(hold.readers_done) >= hold.expected_done:
+                reason = "done"
+            else:
+                return False
+            del self._holds[request_id]
+        self._free([(request_id, reason)])
+        return True
+
+    def abort(self, request_id: str, force: bool = False) -> bool:
+        """Free an aborted request's blocks. Reads in flight under a current lease finish first
+        (their ``done`` or lease expiry frees) unless ``force``. True when freed by this call."""
+        now = self._clock()
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if hold is None:
+                return False
+            if not force and hold.has_current_lease(now):
+                hold.aborted = True  # no new reader may begin
+                return False
+            del self._holds[request_id]
+        self._free([(request_id, "aborted")])
+        return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Free holds past their deadline (or aborted) with no current lease; returns their ids."""
+        now = self._clock() if now is None else now
+        freed: list[tuple[str, FreeReason]] = []
+        with self._lock:
+            for request_id, hold in list(self._holds.items()):
+                if hold.has_current_lease(now):
+                    continue
+                if hold.aborted:
+                    freed.append((request_id, "aborted"))
+                elif hold.deadline <= now:
+                    freed.append((request_id, "expired"))
+                else:
+                    continue
+                del self._holds[request_id]
+        self._free(freed)
+        return [request_id for request_id, _ in freed]
+
+    def held(self) -> set[str]:
+        with self._lock:
+            return set(self._holds)
+
+    def __contains__(self, request_id: object) -> bool:
+        with self._lock:
+            return request_id in self._holds
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._holds)
+
+    def _free(self, items: list[tuple[str, FreeReason]]) -> None:
+        # Outside the lock: free_fn may call back into the scheduler (or into this tracker).
+        for request_id, reason in items:
+            if reason == "expired":
+                logger.warning("request %s: blocks held for remote readers expired, freeing", request_id)
+            try:
+                self._free_fn(request_id, reason)
+            except Exception:  # noqa: BLE001 - one failing free must not leak the others
+                logger.exception("free_fn failed for request %s (%s)", request_id, reason)

@@ -1,0 +1,279 @@
+"""A store backend with no server: an LRU dict in this process, optionally spilling to a directory.
+
+With ``spill_dir`` every process that points at the same directory sees the others' blocks: a key
+missing from memory is looked up as a file there. That is how two vLLM engines in separate
+processes share the embedded store (set ``write_through=True`` so puts reach the directory at once).
+Files are written to a temporary name and renamed, so readers see whole files or none; each file
+carries a header (magic, length, crc32) so a truncated or corrupt file reads as a miss, not as KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import Sequence
+
+from kv_common.backend import Backend
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = b"KVCEMB01"
+_HEADER = struct.Struct("<8sQI")  # magic, payload length, crc32 of payload
+_SUFFIX = ".kvb"
+
+
+def key_filename(key: str) -> str:
+    """Keys may hold any character ('/', NUL, ...): name files by their hash instead."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest() + _SUFFIX
+
+
+def _as_bytes_view(buffer: memoryview | bytes | bytearray) -> memoryview:
+    view = memoryview(buffer)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class EmbeddedBackend(Backend):
+    name = "embedded"
+
+    def __init__(
+        self,
+        capacity_bytes: int = 1 << 30,
+        spill_dir: str | os.PathLike[str] | None = None,
+        write_through: bool = False,
+        spill_capacity_bytes: int | None = None,
+    ):
+        if write_through and spill_dir is None:
+            raise ValueError("write_through needs a spill_dir")
+        self.capacity_bytes = capacity_bytes
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self.write_through = write_through
+        self.spill_capacity_bytes = spill_capacity_bytes
+        self._lock = threading.RLock()
+        self._memory: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
+        self._memory_bytes = 0
+        self._counts = {"hits": 0, "misses": 0, "evictions": 0, "spills": 0, "corrupt": 0, "spill_evictions": 0}
+        self._spill_bytes = 0
+        if self.spill_dir is not None:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            self._spill_bytes = sum(size for _, size, _ in self._spill_files())
+
+    # -- Backend API ------------------------------------------------------------------------
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [key in self._memory or self._file_exists(key) for key in keys]
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[memoryview | bytes]) -> list[bool]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        with self._lock:
+            return [self._put(key, value) for key, value in zip(keys, values)]
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        with self._lock:
+            results = [self._get_into(key, _as_bytes_view(buf)) for key, buf in zip(keys, buffers)]
+        return results
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        with self._lock:
+            return [self._get(key) for key in keys]
+
+    def batch_remove(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                value = self._memory.pop(key, None)
+                if value is not None:
+                    self._memory_bytes -= len(value)
+                self._remove_file(key)
+
+    def close(self) -> None:
+        with self._lock:
+            self._memory.clear()
+            self._memory_bytes = 0
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                **self._counts,
+                "memory_bytes": self._memory_bytes,
+                "memory_items": len(self._memory),
+                "spill_bytes": self._spill_bytes,
+            }
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def _put(self, key: str, value: memoryview | bytes) -> bool:
+        if key in self._memory:
+            self._memory.move_to_end(key)
+            return True
+        if self._file_exists(key):
+            return True
+        data = bytes(value)  # copy: the caller reuses its buffer
+        if self.write_through:
+            if not self._write_file(key, data):
+                return False
+        if len(data) > self.capacity_bytes:
+            # Cannot fit in memory at all: the directory is the only place for it.
+            return self.write_through or (self.spill_dir is not None and self._write_file(key, data))
+        self._memory[key] = data
+        self._memory_bytes += len(data)
+        self._evict_memory()
+        return True
+
+    def _evict_memory(self) -> None:
+        while self._memory_bytes > self.capacity_bytes and self._memory:
+            key, data = self._memory.popitem(last=False)
+            self._memory_bytes -= len(data)
+            self._counts["evictions"] += 1
+            if self.spill_dir is not None and not self.write_through:
+                if self._write_file(key, data):
+                    self._counts["spills"] += 1
+
+    def _get(self, key: str) -> bytes | None:
+        data = self._memory.get(key)
+        if data is not None:
+            self._memory.move_to_end(key)
+            self._counts["hits"] += 1
+            return data
+        data = self._read_file(key)
+        self._counts["hits" if data is not None else "misses"] += 1
+        return data
+
+    def _get_into(self, key: str, buffer: memoryview) -> int:
+        data = self._memory.get(key)
+        if data is not None:
+            if len(data) != buffer.nbytes:
+                self._counts["misses"] += 1
+                return -1
+            self._memory.move_to_end(key)
+            buffer[:] = data
+            self._counts["hits"] += 1
+            return len(data)
+        n = self._read_file_into(key, buffer)
+        self._counts["hits" if n >= 0 else "misses"] += 1
+        return n
+
+    # -- spill directory --------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        assert self.spill_dir is not None
+        return self.spill_dir / key_filename(key)
+
+    def _file_exists(self, key: str) -> bool:
+        return self.spill_dir is not None and self._path(key).is_file()
+
+    def _write_file(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        # Unique per process and thread, so concurrent writers of one key never share a temp file.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(_MAGIC, len(data), zlib.crc32(data)))
+                f.write(data)
+            os.replace(tmp, path)  # atomic: other processes see the whole file or none
+        except OSError as exc:
+            logger.warning("embedded backend: cannot write %s: %s", path, exc)
+            tmp.unlink(missing_ok=True)
+            return False
+        self._spill_bytes += _HEADER.size + len(data)
+        if self.spill_capacity_bytes is not None and self._spill_bytes > self.spill_capacity_bytes:
+            self._evict_files(keep=path.name)
+        return True
+
+    def _read_file(self, key: str) -> bytes | None:
+        if self.spill_dir is None:
+            return None
+        buffer = bytearray()
+        try:
+            with open(self._path(key), "rb") as f:
+                length = self._read_header(key, f)
+                if length < 0:
+                    return None
+                buffer = bytearray(length)
+        except FileNotFoundError:
+            return None
+        n = self._read_file_into(key, memoryview(buffer))
+        return bytes(buffer) if n >= 0 else None
+
+    def _read_file_into(self, key: str, buffer: memoryview) -> int:
+        if self.spill_dir is None:
+            return -1
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                length = self._read_header(key, f)
+                if length < 0 or length != buffer.nbytes:
+                    return -1
+                n = f.readinto(buffer)
+                trailing = f.read(1)
+        except FileNotFoundError:
+            return -1
+        except OSError as exc:
+            logger.warning("embedded backend: cannot read %s: %s", path, exc)
+            return -1
+        if n != length or trailing or zlib.crc32(buffer) != self._expected_crc:
+            self._drop_corrupt(key, f"{n} of {length} bytes" if n != length else "crc mismatch")
+            return -1
+        return n
+
+    def _read_header(self, key: str, f) -> int:  # noqa: ANN001 - a binary file
+        raw = f.read(_HEADER.size)
+        if len(raw) != _HEADER.size:
+            self._drop_corrupt(key, "short header")
+            return -1
+        magic, length, crc = _HEADER.unpack(raw)
+        if magic != _MAGIC:
+            self._drop_corrupt(key, "bad magic")
+            return -1
+        self._expected_crc = crc  # read under self._lock, used right after by the caller
+        return int(length)
+
+    def _drop_corrupt(self, key: str, why: str) -> None:
+        logger.warning("embedded backend: %s is corrupt (%s), removing it", self._path(key), why)
+        self._counts["corrupt"] += 1
+        self._remove_file(key)
+
+    def _remove_file(self, key: str) -> None:
+        if self.spill_dir is None:
+            return
+        path = self._path(key)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+            self._spill_bytes = max(0, self._spill_bytes - size)
+        except FileNotFoundError:
+            pass
+
+    def _spill_files(self) -> list[tuple[float, int, Path]]:
+        assert self.spill_dir is not None
+        files = []
+        for entry in os.scandir(self.spill_dir):
+            if entry.name.endswith(_SUFFIX) and not entry.name.startswith("."):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:  # removed by another process meanwhile
+                    continue
+                files.append((st.st_mtime, st.st_size, Path(entry.path)))
+        return files
+
+    def _evict_files(self, keep: str) -> None:
+        """Remove the oldest files until the directory fits its budget (other processes' files too)."""
+        files = sorted(self._spill_files())
+        total = sum(size for _, size, _ in files)
+        for _, size, path in files:
+            if total <= self.spill_capacity_bytes:  # type: ignore[operator]
+                break
+            if path.name == keep:
+                continue
+            path.unlink(missing_ok=True)
+            total -= size
+            self._counts["spill_evictions"] += 1
+        self._spill_bytes = total

@@ -1,0 +1,58 @@
+"""Registration and trace reading for the probe connector (import-light: no torch, no vLLM).
+
+``PROBE_SPEC`` is published under the ``kv_common.connectors`` entry-point group and ``register``
+under ``vllm.general_plugins``, so ``kv_connector="KVCommonProbeConnector"`` works by name in every
+vLLM process. The connector itself lives in :mod:`kv_common.testing.probe_connector`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kv_common.registry import ConnectorSpec, register_with_vllm
+
+PROBE_NAME = "KVCommonProbeConnector"
+PROBE_SPEC = ConnectorSpec(PROBE_NAME, "kv_common.testing.probe_connector", "KVCommonProbeConnector")
+
+# Hooks that live on each side (used by tests and by ``summarize_trace``).
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished")
+WORKER_HOOKS = ("register_kv_caches", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save")
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: make the probe known to vLLM's factory."""
+    register_with_vllm([PROBE_SPEC])
+
+
+def probe_config(trace_dir: str | Path, *, kv_role: str = "kv_both", **extra: object) -> dict:
+    """A ``kv_transfer_config`` dict that selects the probe by name and traces into ``trace_dir``."""
+    return {
+        "kv_connector": PROBE_NAME,
+        "kv_role": kv_role,
+        "kv_connector_extra_config": {"trace_dir": str(trace_dir), **extra},
+    }
+
+
+def read_probe_trace(trace_dir: str | Path) -> list[dict]:
+    """Every record the probe wrote under ``trace_dir`` (all processes), ordered by time."""
+    records: list[dict] = []
+    for path in sorted(Path(trace_dir).glob("probe-*.jsonl")):
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                line = line.strip()
+                if line:
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError:  # a process killed mid-write leaves a torn last line
+                        continue
+    records.sort(key=lambda r: (r.get("t", 0.0), r.get("seq", 0)))
+    return records
+
+
+def summarize_trace(records: list[dict]) -> dict[str, dict[str, set[int]]]:
+    """role -> method -> set of pids that called it."""
+    out: dict[str, dict[str, set[int]]] = {}
+    for r in records:
+        out.setdefault(r["role"], {}).setdefault(r["method"], set()).add(int(r["pid"]))
+    return out

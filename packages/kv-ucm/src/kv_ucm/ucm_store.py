@@ -1,0 +1,488 @@
+"""A thin adapter over UCM's v1 store API (``UcmKVStoreBaseV1``).
+
+What it adds on top of UCM:
+
+* configuration in UCM's own vocabulary (``ucm_connector_config`` dicts and the YAML file UCM
+  users write), with the sizes the native stores need derived from the KV block layout;
+* synchronous, per-block results: ``dump``/``load`` return one ``bool`` per block, so a miss or
+  a damaged block costs that block only (UCM itself fails a whole task and raises in ``wait``);
+* one exception type, ``UcmError(operation, code)``, for everything UCM reports as an error
+  that is not an ordinary per-block miss;
+* ``check_ucm_installation()``, which explains the ways a ``ucm`` import goes wrong.
+
+``ucm`` is imported lazily: this module imports on Python 3.11, where no UCM wheel exists.
+On a CPU host only the ``Posix`` pipeline (local disk / NFS) moves data; the device tiers
+(``Cache|...``, PcStore) need CUDA or Ascend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kv_common.backend import BackendError
+
+from kv_ucm.block_ids import UCM_BLOCK_ID_SIZE
+
+__all__ = [
+    "UcmError",
+    "UcmInstallationError",
+    "UcmStore",
+    "check_ucm_installation",
+    "load_ucm_yaml",
+]
+
+DEFAULT_CONNECTOR_NAME = "UcmPipelineStore"
+
+# Error codes UCM's native stores report (ucm/shared status codes, seen in exception text).
+CODE_NOT_FOUND = -50005
+CODE_UNHEALTHY = -50011
+CODE_UNKNOWN = -1
+
+_CODE_RE = re.compile(r"-?\d{2,}")
+
+
+class UcmError(BackendError):
+    """A UCM call failed. ``code`` is UCM's status code when it reported one, else -1."""
+
+    def __init__(self, operation: str, code: int | None = None, detail: str = ""):
+        super().__init__("ucm", operation, CODE_UNKNOWN if code is None else code, detail)
+
+
+class UcmInstallationError(ImportError):
+    """``ucm`` is missing, ambiguous or shadowed by an unrelated package."""
+
+
+# --------------------------------------------------------------------------------------------
+# installation checks
+
+
+def _dist_name(dist: Any) -> str:
+    try:
+        name = dist.metadata["Name"]
+    except (KeyError, TypeError):
+        name = None
+    return (name or "").lower().replace("_", "-").replace(".", "-")
+
+
+def _provides_top_level_ucm(dist: Any) -> bool:
+    try:
+        top = dist.read_text("top_level.txt")
+    except Exception:  # noqa: BLE001 - broken metadata reads as "unknown"
+        top = None
+    if top and "ucm" in top.split():
+        return True
+    try:
+        files = dist.files or []
+    except Exception:  # noqa: BLE001
+        files = []
+    return any(getattr(f, "parts", (None,))[:1] == ("ucm",) for f in files)
+
+
+def _is_backend_name(name: str) -> bool:
+    # uc-manager itself is the code-less selector; uc-manager-cuda-cu130, uc-manager-cann910-a2,
+    # ... are the backend wheels that all install the same top-level ``ucm``.
+    return name.startswith("uc-manager-")
+
+
+def check_ucm_installation() -> None:
+    """Raise ``UcmInstallationError`` with a fix when ``import ucm`` cannot give real UCM.
+
+    Checked, without importing ``ucm``: the unrelated ``ucm-sdk`` distribution (it also installs
+    a top-level ``ucm``), more than one UCM backend wheel at once, any other distribution
+    providing ``ucm``, and no ``ucm`` at all.
+    """
+    names: dict[str, Any] = {}
+    for dist in importlib.metadata.distributions():
+        name = _dist_name(dist)
+        if name:
+            names.setdefault(name, dist)
+
+    hint = (
+        "install exactly one UCM backend in a Python 3.12 environment, e.g. "
+        "pip install 'uc-manager[cu130]' (kv-ucm/scripts/make_py312_env.sh builds one)"
+    )
+    if "ucm-sdk" in names:
+        raise UcmInstallationError(
+            "the 'ucm-sdk' distribution is installed: it is unrelated to Unified Cache "
+            "Management but installs a top-level 'ucm' package that shadows UCM's. "
+            f"pip uninstall ucm-sdk, then {hint}"
+        )
+    backends = sorted(n for n in names if _is_backend_name(n))
+    if len(backends) > 1:
+        raise UcmInstallationError(
+            f"several UCM backend distributions are installed at once: {', '.join(backends)}. "
+            "They overwrite each other's 'ucm' package files; create a fresh environment and "
+            f"{hint}"
+        )
+    others = sorted(
+        n
+        for n, d in names.items()
+        if not _is_backend_name(n) and n != "uc-manager" and _provides_top_level_ucm(d)
+    )
+    if others:
+        raise UcmInstallationError(
+            f"distribution(s) {', '.join(others)} provide a top-level 'ucm' package that is "
+            f"not UCM's; uninstall them, then {hint}"
+        )
+    if not backends:
+        found = importlib.util.find_spec("ucm") is not None
+        where = "an unpackaged 'ucm' module is importable" if found else "UCM is not installed"
+        py = "" if sys.version_info[:2] == (3, 12) else (
+            f" (UCM wheels exist only for CPython 3.12; this is {sys.version_info[0]}."
+            f"{sys.version_info[1]})"
+        )
+        if found:
+            # A source checkout on sys.path (UCM's own CI) is acceptable.
+            return
+        raise UcmInstallationError(f"{where}{py}: {hint}")
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+
+
+def load_ucm_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse the YAML file UCM users write (``UCM_CONFIG_FILE``).
+
+    Returns the whole document as a dict after checking its shape: ``ucm_connectors`` is a
+    non-empty list of ``{ucm_connector_name: str, ucm_connector_config: dict}``. Use
+    ``UcmStore.from_config(doc["ucm_connectors"][0])`` (or just the inner config) to open it.
+    """
+    try:
+        import yaml
+    except ImportError as exc:  # pragma: no cover - PyYAML ships with UCM and vLLM
+        raise UcmInstallationError("PyYAML is needed to read UCM config files") from exc
+    text = Path(path).read_text()
+    doc = yaml.safe_load(text)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    connectors = doc.get("ucm_connectors")
+    if not isinstance(connectors, list) or not connectors:
+        raise ValueError(f"{path}: 'ucm_connectors' must be a non-empty list")
+    for i, entry in enumerate(connectors):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: ucm_connectors[{i}] must be a mapping")
+        name = entry.get("ucm_connector_name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{path}: ucm_connectors[{i}].ucm_connector_name must be a string")
+        cfg = entry.setdefault("ucm_connector_config", {})
+        if cfg is None:
+            entry["ucm_connector_config"] = {}
+        elif not isinstance(cfg, dict):
+            raise ValueError(f"{path}: ucm_connectors[{i}].ucm_connector_config must be a mapping")
+    return doc
+
+
+def _split_backends(value: Any) -> list[str]:
+    if isinstance(value, (str, Path)):
+        parts = [p for p in str(value).split(":") if p]
+    elif isinstance(value, Sequence):
+        parts = [str(p) for p in value]
+    else:
+        raise ValueError(f"storage_backends must be a path string or a list, got {value!r}")
+    if not parts:
+        raise ValueError("storage_backends is empty")
+    return parts
+
+
+def _native_config(
+    config: Mapping[str, Any],
+    tensor_size: int | None,
+    tensors_per_block: int,
+) -> dict[str, Any]:
+    cfg = dict(config)
+    if "store_pipeline" not in cfg:
+        raise ValueError("ucm_connector_config needs 'store_pipeline' (e.g. 'Posix')")
+    if "storage_backends" in cfg:
+        cfg["storage_backends"] = _split_backends(cfg["storage_backends"])
+    if tensor_size is not None:
+        if tensor_size <= 0 or tensors_per_block <= 0:
+            raise ValueError("tensor_size and tensors_per_block must be positive")
+        cfg.setdefault("tensor_size", tensor_size)
+        cfg.setdefault("shard_size", tensor_size * tensors_per_block)
+        cfg.setdefault("block_size", cfg["shard_size"])
+    if "tensor_size" in cfg:
+        t, s, b = (int(cfg[k]) for k in ("tensor_size", "shard_size", "block_size"))
+        if t <= 0 or s % t or b % s:
+            raise ValueError(
+                f"UCM needs tensor_size | shard_size | block_size, got {t}, {s}, {b}"
+            )
+        # device_id >= 0 makes the native store a "worker" that moves data; on the Posix
+        # pipeline no device is touched, the pointers are host memory.
+        cfg.setdefault("device_id", 0)
+    else:
+        cfg.setdefault("device_id", -1)  # lookup only
+    cfg.setdefault("posix_io_engine", "psync")
+    cfg.setdefault("io_direct", False)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# buffers
+
+
+def _address_and_size(buf: Any, writable: bool, keep: list[Any]) -> tuple[int, int]:
+    """Host address and byte size of one contiguous buffer (torch tensor or buffer object)."""
+    if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # torch.Tensor, duck-typed
+        if not buf.is_contiguous():
+            raise ValueError("tensor buffers must be contiguous")
+        keep.append(buf)
+        return int(buf.data_ptr()), int(buf.numel()) * int(buf.element_size())
+    import numpy as np  # UCM needs numpy anyway
+
+    view = memoryview(buf)
+    if writable and view.readonly:
+        raise ValueError("load needs writable buffers")
+    if not view.c_contiguous:
+        raise ValueError("buffers must be C-contiguous")
+    arr = np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view, np.uint8)
+    keep.append(arr)
+    return int(arr.ctypes.data), int(arr.nbytes)
+
+
+def _exception_code(exc: BaseException) -> int:
+    for arg in getattr(exc, "args", ()):
+        if isinstance(arg, int) and not isinstance(arg, bool):
+            return arg
+    match = _CODE_RE.search(str(exc))
+    if match:
+        return int(match.group())
+    return CODE_UNKNOWN
+
+
+# --------------------------------------------------------------------------------------------
+# the store
+
+
+class UcmStore:
+    """Synchronous per-block facade over one UCM v1 store.
+
+    Each block is ``tensors_per_block`` buffers of ``tensor_size`` bytes (for vLLM's CPU layout:
+    one ``[num_kv_heads, block_size, 2*head_size]`` slice per layer). ``buffers[i]`` passed to
+    ``dump``/``load`` is either one buffer (when ``tensors_per_block == 1``) or a sequence of
+    them. Buffers are torch tensors or any C-contiguous buffer object (memoryview, bytearray,
+    numpy array); ``load`` needs them writable.
+    """
+
+    def __init__(self, store: Any, native_config: Mapping[str, Any], connector_name: str):
+        self._store = store
+        self.config = dict(native_config)
+        self.connector_name = connector_name
+        self.tensor_size: int | None = (
+            int(self.config["tensor_size"]) if "tensor_size" in self.config else None
+        )
+        self.tensors_per_block = (
+            int(self.config["shard_size"]) // self.tensor_size if self.tensor_size else 0
+        )
+        self.shards_per_block = (
+            int(self.config["block_size"]) // int(self.config["shard_size"])
+            if self.tensor_size
+            else 0
+        )
+        self.can_transfer = self.tensor_size is not None and int(self.config["device_id"]) >= 0
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        tensor_size: int | None = None,
+        tensors_per_block: int = 1,
+        connector_name: str | None = None,
+    ) -> "UcmStore":
+        """Open a UCM store from a ``ucm_connector_config`` dict.
+
+        ``config`` is what UCM users write, e.g. ``{"store_pipeline": "Posix",
+        "storage_backends": "/mnt/kv"}`` (colon-separated paths, or a list). A whole
+        ``ucm_connectors`` entry (``{"ucm_connector_name": ..., "ucm_connector_config": ...}``)
+        is accepted too. ``tensor_size`` (bytes per buffer) and ``tensors_per_block`` size the
+        store for transfers; native keys already in ``config`` (``tensor_size``, ``shard_size``,
+        ``block_size``, ``device_id``, ``posix_io_engine``, ...) win. Without any size the store
+        can only look up.
+        """
+        if "ucm_connector_config" in config:
+            connector_name = connector_name or config.get("ucm_connector_name")
+            config = config.get("ucm_connector_config") or {}
+        name = connector_name or DEFAULT_CONNECTOR_NAME
+        native = _native_config(config, tensor_size, tensors_per_block)
+        check_ucm_installation()
+        try:
+            factory = importlib.import_module("ucm.store.factory_v1").UcmConnectorFactoryV1
+        except ImportError as exc:
+            raise UcmInstallationError(f"cannot import UCM's v1 store factory: {exc}") from exc
+        try:
+            store = factory.create_connector(name, dict(native))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UcmError("create", CODE_UNKNOWN, f"{name}: {exc}") from exc
+        except RuntimeError as exc:
+            raise UcmError("create", _exception_code(exc), f"{name}: {exc}") from exc
+        return cls(store, native, name)
+
+    @property
+    def raw(self) -> Any:
+        """The underlying ``UcmKVStoreBaseV1`` (for features this adapter does not wrap)."""
+        if self._store is None:
+            raise UcmError("use", CODE_UNKNOWN, "store is closed")
+        return self._store
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_ids(block_ids: Sequence[bytes]) -> list[bytes]:
+        ids = []
+        for i, bid in enumerate(block_ids):
+            if not isinstance(bid, (bytes, bytearray)) or len(bid) != UCM_BLOCK_ID_SIZE:
+                raise ValueError(
+                    f"block_ids[{i}]: UCM block ids are exactly {UCM_BLOCK_ID_SIZE} bytes, "
+                    f"got {bid!r:.60}"
+                )
+            ids.append(bytes(bid))
+        return ids
+
+    def lookup(self, block_ids: Sequence[bytes]) -> list[bool]:
+        ids = self._check_ids(block_ids)
+        if not ids:
+            return []
+        try:
+            found = self.raw.lookup(ids)
+        except RuntimeError as exc:
+            raise UcmError("lookup", _exception_code(exc), str(exc)) from exc
+        return [bool(x) for x in found]
+
+    def lookup_on_prefix(self, block_ids: Sequence[bytes]) -> int:
+        """Number of leading blocks present (UCM returns the last index, -1 for none)."""
+        ids = self._check_ids(block_ids)
+        if not ids:
+            return 0
+        try:
+            last = int(self.raw.lookup_on_prefix(ids))
+        except RuntimeError as exc:
+            raise UcmError("lookup_on_prefix", _exception_code(exc), str(exc)) from exc
+        return last + 1
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def _addresses(
+        self, ids: list[bytes], buffers: Sequence[Any], writable: bool, keep: list[Any]
+    ) -> list[list[int]]:
+        if not self.can_transfer:
+            raise UcmError(
+                "transfer", CODE_UNKNOWN, "store opened for lookup only (no tensor_size)"
+            )
+        if len(buffers) != len(ids):
+            raise ValueError(f"{len(ids)} block ids but {len(buffers)} buffers")
+        rows = []
+        for i, entry in enumerate(buffers):
+            parts = (
+                list(entry)
+                if isinstance(entry, (list, tuple))
+                else [entry]
+            )
+            if len(parts) != self.tensors_per_block:
+                raise ValueError(
+                    f"block {i}: {len(parts)} buffers, the store expects "
+                    f"{self.tensors_per_block} per block"
+                )
+            row = []
+            for part in parts:
+                addr, size = _address_and_size(part, writable, keep)
+                if size != self.tensor_size:
+                    raise ValueError(
+                        f"block {i}: buffer of {size} bytes, the store expects {self.tensor_size}"
+                    )
+                row.append(addr)
+            rows.append(row)
+        return rows
+
+    def _run(self, operation: str, ids: list[bytes], shard: int, rows: list[list[int]]) -> None:
+        """Submit one task and wait for it; any UCM failure raises UcmError."""
+        import numpy as np
+
+        store = self.raw
+        addrs = np.asarray(rows, dtype=np.uint64).reshape(len(rows), self.tensors_per_block)
+        submit = store.dump_data if operation == "dump" else store.load_data
+        try:
+            task = submit(ids, [shard] * len(ids), addrs)
+        except RuntimeError as exc:
+            raise UcmError(operation, _exception_code(exc), str(exc)) from exc
+        try:
+            store.wait(task)
+        except RuntimeError as exc:
+            raise UcmError(operation, _exception_code(exc), str(exc)) from exc
+
+    def _per_block(
+        self, operation: str, ids: list[bytes], rows: list[list[int]], shard: int
+    ) -> list[bool]:
+        if not ids:
+            return []
+        try:
+            self._run(operation, ids, shard, rows)
+            return [True] * len(ids)
+        except UcmError as exc:
+            if exc.code == CODE_UNHEALTHY:
+                raise
+            if len(ids) == 1:
+                return [False]
+        # A batch fails as a whole in UCM: retry block by block to find the bad ones.
+        results = []
+        for bid, row in zip(ids, rows):
+            try:
+                self._run(operation, [bid], shard, [row])
+                results.append(True)
+            except UcmError as exc:
+                if exc.code == CODE_UNHEALTHY:
+                    raise
+                results.append(False)
+        return results
+
+    def dump(self, block_ids: Sequence[bytes], buffers: Sequence[Any], *, shard: int = 0) -> list[bool]:
+        """Write each block's buffers under its id. Per block: stored (or already present)."""
+        ids = self._check_ids(block_ids)
+        keep: list[Any] = []
+        rows = self._addresses(ids, buffers, writable=False, keep=keep)
+        return self._per_block("dump", ids, rows, shard)
+
+    def load(self, block_ids: Sequence[bytes], buffers: Sequence[Any], *, shard: int = 0) -> list[bool]:
+        """Read each block into its buffers. Per block: loaded. A missing or unreadable block
+        is ``False`` (its buffers may be partly overwritten); nothing raises for a miss."""
+        ids = self._check_ids(block_ids)
+        keep: list[Any] = []
+        rows = self._addresses(ids, buffers, writable=True, keep=keep)
+        present = self.lookup(ids)
+        todo = [i for i, p in enumerate(present) if p]
+        loaded = self._per_block("load", [ids[i] for i in todo], [rows[i] for i in todo], shard)
+        results = [False] * len(ids)
+        for i, ok in zip(todo, loaded):
+            results[i] = ok
+        return results
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            # UCM's stores release their native resources when collected.
+            del store
+
+    @property
+    def closed(self) -> bool:
+        return self._store is None
+
+    def __enter__(self) -> "UcmStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.config.get("store_pipeline", "?")
+        return f"UcmStore({self.connector_name}, {state})"
