@@ -17,7 +17,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
-from typing import Sequence
+from typing import BinaryIO, Sequence
 
 from kv_common.backend import Backend
 
@@ -191,17 +191,18 @@ class EmbeddedBackend(Backend):
     def _read_file(self, key: str) -> bytes | None:
         if self.spill_dir is None:
             return None
-        buffer = bytearray()
         try:
             with open(self._path(key), "rb") as f:
-                length = self._read_header(key, f)
-                if length < 0:
+                header = self._read_header(key, f)
+                if header is None:
                     return None
-                buffer = bytearray(length)
+                data = f.read(header[0] + 1)  # one byte more reveals trailing garbage
         except FileNotFoundError:
             return None
-        n = self._read_file_into(key, memoryview(buffer))
-        return bytes(buffer) if n >= 0 else None
+        if len(data) != header[0] or zlib.crc32(data) != header[1]:
+            self._drop_corrupt(key, f"{len(data)} of {header[0]} bytes or crc mismatch")
+            return None
+        return data
 
     def _read_file_into(self, key: str, buffer: memoryview) -> int:
         if self.spill_dir is None:
@@ -209,8 +210,8 @@ class EmbeddedBackend(Backend):
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                length = self._read_header(key, f)
-                if length < 0 or length != buffer.nbytes:
+                header = self._read_header(key, f)
+                if header is None or header[0] != buffer.nbytes:
                     return -1
                 n = f.readinto(buffer)
                 trailing = f.read(1)
@@ -219,22 +220,22 @@ class EmbeddedBackend(Backend):
         except OSError as exc:
             logger.warning("embedded backend: cannot read %s: %s", path, exc)
             return -1
-        if n != length or trailing or zlib.crc32(buffer) != self._expected_crc:
-            self._drop_corrupt(key, f"{n} of {length} bytes" if n != length else "crc mismatch")
+        if n != header[0] or trailing or zlib.crc32(buffer) != header[1]:
+            self._drop_corrupt(key, f"{n} of {header[0]} bytes" if n != header[0] else "crc mismatch")
             return -1
         return n
 
-    def _read_header(self, key: str, f) -> int:  # noqa: ANN001 - a binary file
+    def _read_header(self, key: str, f: BinaryIO) -> tuple[int, int] | None:
+        """(payload length, crc32), or None when the header is bad (the file is then removed)."""
         raw = f.read(_HEADER.size)
         if len(raw) != _HEADER.size:
             self._drop_corrupt(key, "short header")
-            return -1
+            return None
         magic, length, crc = _HEADER.unpack(raw)
         if magic != _MAGIC:
             self._drop_corrupt(key, "bad magic")
-            return -1
-        self._expected_crc = crc  # read under self._lock, used right after by the caller
-        return int(length)
+            return None
+        return int(length), int(crc)
 
     def _drop_corrupt(self, key: str, why: str) -> None:
         logger.warning("embedded backend: %s is corrupt (%s), removing it", self._path(key), why)

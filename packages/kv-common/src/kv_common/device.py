@@ -1,0 +1,131 @@
+"""The one place that talks to a device runtime: ``cpu``, ``cuda`` or Ascend ``npu``.
+
+torch and torch_npu are imported inside the functions, so importing this module costs nothing and
+works without torch; only the code paths that need a device pay for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Iterator, Literal
+
+DeviceType = Literal["cpu", "cuda", "npu"]
+DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "npu")
+
+
+class DeviceUnavailableError(RuntimeError):
+    pass
+
+
+def _torch() -> Any:
+    try:
+        return importlib.import_module("torch")
+    except ImportError as exc:
+        raise DeviceUnavailableError(f"torch is required for device operations: {exc}") from exc
+
+
+def _npu_available() -> bool:
+    try:
+        importlib.import_module("torch_npu")  # registers torch.npu as a side effect
+    except Exception:  # noqa: BLE001 - ImportError, or a CANN runtime that fails to load
+        return False
+    npu = getattr(_torch(), "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def _device_module(kind: str) -> Any:
+    """``torch.cuda`` / ``torch.npu``; a clear error when that runtime is absent."""
+    if kind == "npu":
+        try:
+            importlib.import_module("torch_npu")
+        except Exception as exc:  # noqa: BLE001
+            raise DeviceUnavailableError(
+                f"device 'npu' needs torch_npu and the CANN runtime, which cannot be loaded: {exc}"
+            ) from exc
+    if kind not in ("cuda", "npu"):
+        raise ValueError(f"unknown device type {kind!r} (expected one of {DEVICE_TYPES})")
+    module = getattr(_torch(), kind, None)
+    if module is None:
+        raise DeviceUnavailableError(f"torch has no {kind} support in this build")
+    return module
+
+
+def is_available(kind: str) -> bool:
+    if kind == "cpu":
+        return True
+    if kind == "npu":
+        return _npu_available()
+    if kind == "cuda":
+        try:
+            return bool(_torch().cuda.is_available())
+        except DeviceUnavailableError:
+            return False
+    raise ValueError(f"unknown device type {kind!r} (expected one of {DEVICE_TYPES})")
+
+
+def device_type(override: str | None = None) -> str:
+    """The accelerator this process runs on: ``npu`` over ``cuda`` over ``cpu``, unless overridden."""
+    if override is not None:
+        kind = override.split(":", 1)[0]
+        if kind not in DEVICE_TYPES:
+            raise ValueError(f"unknown device type {override!r} (expected one of {DEVICE_TYPES})")
+        if not is_available(kind):
+            raise DeviceUnavailableError(f"device type {kind!r} was requested but is not available")
+        return kind
+    for kind in ("npu", "cuda"):
+        if is_available(kind):
+            return kind
+    return "cpu"
+
+
+def _kind_of(device: Any) -> str:
+    """Device type of a ``torch.device``, a tensor, or a string such as 'cuda:1'."""
+    device = getattr(device, "device", device)  # a tensor
+    kind = getattr(device, "type", None) or str(device).split(":", 1)[0]
+    return kind
+
+
+def synchronize(device: Any = None) -> None:
+    """Wait for all queued work on ``device`` (a no-op on CPU, whose ops are synchronous)."""
+    kind = _kind_of(device) if device is not None else device_type()
+    if kind == "cpu":
+        return
+    module = _device_module(kind)
+    module.synchronize(device) if device is not None and not isinstance(device, str) else module.synchronize()
+
+
+def current_stream(device: Any = None) -> Any | None:
+    """The device's current stream, or None on CPU (no streams there)."""
+    kind = _kind_of(device) if device is not None else device_type()
+    if kind == "cpu":
+        return None
+    return _device_module(kind).current_stream()
+
+
+def new_stream(device: Any = None) -> Any | None:
+    """A fresh stream for overlapping copies with compute, or None on CPU."""
+    kind = _kind_of(device) if device is not None else device_type()
+    if kind == "cpu":
+        return None
+    return _device_module(kind).Stream()
+
+
+@contextlib.contextmanager
+def stream(s: Any | None) -> Iterator[None]:
+    """Run the body on stream ``s``; with None (CPU) just run it."""
+    if s is None:
+        yield
+        return
+    kind = _kind_of(s)
+    with _device_module(kind).stream(s):
+        yield
+
+
+def data_ptr(tensor: Any) -> int:
+    """Address of the tensor's first element (what transfer engines register and copy from)."""
+    return int(tensor.data_ptr())
+
+
+def nbytes(tensor: Any) -> int:
+    return int(tensor.numel() * tensor.element_size())
