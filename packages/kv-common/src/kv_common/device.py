@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 DeviceType = Literal["cpu", "cuda", "npu"]
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "npu")
@@ -82,8 +83,7 @@ def device_type(override: str | None = None) -> str:
 def _kind_of(device: Any) -> str:
     """Device type of a ``torch.device``, a tensor, or a string such as 'cuda:1'."""
     device = getattr(device, "device", device)  # a tensor
-    kind = getattr(device, "type", None) or str(device).split(":", 1)[0]
-    return kind
+    return getattr(device, "type", None) or str(device).split(":", 1)[0]
 
 
 def synchronize(device: Any = None) -> None:
@@ -92,7 +92,10 @@ def synchronize(device: Any = None) -> None:
     if kind == "cpu":
         return
     module = _device_module(kind)
-    module.synchronize(device) if device is not None and not isinstance(device, str) else module.synchronize()
+    if device is None:
+        module.synchronize()
+    else:
+        module.synchronize(getattr(device, "device", device))  # a tensor's device, or the device itself
 
 
 def current_stream(device: Any = None) -> Any | None:

@@ -16,8 +16,9 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import BinaryIO, Sequence
+from typing import BinaryIO
 
 from kv_common.backend import Backend
 
@@ -57,7 +58,14 @@ class EmbeddedBackend(Backend):
         self._lock = threading.RLock()
         self._memory: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
         self._memory_bytes = 0
-        self._counts = {"hits": 0, "misses": 0, "evictions": 0, "spills": 0, "corrupt": 0, "spill_evictions": 0}
+        self._counts = {
+            "hits": 0,
+            "misses": 0,
+            "evictions": 0,
+            "spills": 0,
+            "corrupt": 0,
+            "spill_evictions": 0,
+        }
         self._spill_bytes = 0
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -73,13 +81,15 @@ class EmbeddedBackend(Backend):
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         with self._lock:
-            return [self._put(key, value) for key, value in zip(keys, values)]
+            return [self._put(key, value) for key, value in zip(keys, values, strict=True)]
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         with self._lock:
-            results = [self._get_into(key, _as_bytes_view(buf)) for key, buf in zip(keys, buffers)]
+            results = [
+                self._get_into(key, _as_bytes_view(buf)) for key, buf in zip(keys, buffers, strict=True)
+            ]
         return results
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -117,9 +127,8 @@ class EmbeddedBackend(Backend):
         if self._file_exists(key):
             return True
         data = bytes(value)  # copy: the caller reuses its buffer
-        if self.write_through:
-            if not self._write_file(key, data):
-                return False
+        if self.write_through and not self._write_file(key, data):
+            return False
         if len(data) > self.capacity_bytes:
             # Cannot fit in memory at all: the directory is the only place for it.
             return self.write_through or (self.spill_dir is not None and self._write_file(key, data))
@@ -133,9 +142,8 @@ class EmbeddedBackend(Backend):
             key, data = self._memory.popitem(last=False)
             self._memory_bytes -= len(data)
             self._counts["evictions"] += 1
-            if self.spill_dir is not None and not self.write_through:
-                if self._write_file(key, data):
-                    self._counts["spills"] += 1
+            if self.spill_dir is not None and not self.write_through and self._write_file(key, data):
+                self._counts["spills"] += 1
 
     def _get(self, key: str) -> bytes | None:
         data = self._memory.get(key)

@@ -8,7 +8,7 @@ window, ...), and every group's blocks are bad after a failed load, not only the
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 class FailureLedger:

@@ -11,7 +11,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 import msgspec
 import zmq
@@ -133,7 +134,7 @@ class SideChannelServer:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self) -> "SideChannelServer":
+    def start(self) -> SideChannelServer:
         if self._thread is not None:
             raise RuntimeError(f"{self.name}: already started")
         # Bind in the caller's thread so a busy port raises here; the thread then owns the socket.
@@ -148,7 +149,9 @@ class SideChannelServer:
                 self._port = self._requested_port
         except zmq.ZMQError as exc:
             _close_socket(sock)
-            raise SideChannelError(f"{self.name}: cannot bind {self.host}:{self._requested_port}: {exc}") from exc
+            raise SideChannelError(
+                f"{self.name}: cannot bind {self.host}:{self._requested_port}: {exc}"
+            ) from exc
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
         self._thread.start()
@@ -163,7 +166,7 @@ class SideChannelServer:
         elif self._sock is not None:
             _close_socket(self._sock)
 
-    def __enter__(self) -> "SideChannelServer":
+    def __enter__(self) -> SideChannelServer:
         return self.start() if self._thread is None else self
 
     def __exit__(self, *exc: object) -> None:
@@ -201,7 +204,9 @@ class SideChannelServer:
             return None
         envelope, payload = frames[:-1], frames[-1]
         if len(payload) > self._max_bytes:
-            logger.warning("%s: dropped a %d-byte message (limit %d)", self.name, len(payload), self._max_bytes)
+            logger.warning(
+                "%s: dropped a %d-byte message (limit %d)", self.name, len(payload), self._max_bytes
+            )
             return envelope + [self._encoder.encode(ErrorReply("message too large"))]
         try:
             request = self._decoder.decode(payload)

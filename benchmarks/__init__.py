@@ -1,0 +1,1 @@
+"""Benchmarks behind BENCHMARKS.md: `nox -s bench` (never part of the default test run)."""

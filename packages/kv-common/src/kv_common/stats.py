@@ -1,0 +1,174 @@
+"""Transfer statistics: a plain accumulator every connector shares, and its vLLM adapter.
+
+The accumulator knows nothing of vLLM, so it is testable alone. vLLM moves connector stats from the
+workers to the logger as ``KVConnectorStats`` objects whose ``data`` is a plain dict (pickled or
+msgpack'd across processes); ``make_vllm_stats_class`` wraps the accumulator's dict in one.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+MAX_DURATION_SAMPLES = 4096  # per reporting interval: enough for p99, bounded memory
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list (q in [0, 100])."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, -(-len(sorted_values) * q // 100))  # ceil without floats creeping in
+    return sorted_values[int(min(rank, len(sorted_values))) - 1]
+
+
+class TransferStatsBase:
+    """Bytes, transfer count, latencies and failure counts for one reporting interval."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # transfers complete on background threads
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.num_bytes = 0
+            self.num_transfers = 0
+            self.total_seconds = 0.0
+            self.durations_s: list[float] = []
+            self.failures: dict[str, int] = {}
+            self.counters: dict[str, int] = {}
+
+    def record_transfer(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.num_bytes += int(nbytes)
+            self.num_transfers += 1
+            self.total_seconds += float(seconds)
+            if len(self.durations_s) < MAX_DURATION_SAMPLES:
+                self.durations_s.append(float(seconds))
+
+    def record_failure(self, kind: str) -> None:
+        with self._lock:
+            self.failures[kind] = self.failures.get(kind, 0) + 1
+
+    def incr(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def is_empty(self) -> bool:
+        return self.num_transfers == 0 and not self.failures and not any(self.counters.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain builtins only: this crosses process boundaries inside vLLM."""
+        with self._lock:
+            return {
+                "bytes": self.num_bytes,
+                "transfers": self.num_transfers,
+                "seconds": self.total_seconds,
+                "durations_s": list(self.durations_s),
+                "failures": dict(self.failures),
+                "counters": dict(self.counters),
+            }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> TransferStatsBase:
+        stats = cls()
+        data = data or {}
+        stats.num_bytes = int(data.get("bytes", 0))
+        stats.num_transfers = int(data.get("transfers", 0))
+        stats.total_seconds = float(data.get("seconds", 0.0))
+        stats.durations_s = [float(d) for d in data.get("durations_s", ())][:MAX_DURATION_SAMPLES]
+        stats.failures = {str(k): int(v) for k, v in dict(data.get("failures", {})).items()}
+        stats.counters = {str(k): int(v) for k, v in dict(data.get("counters", {})).items()}
+        return stats
+
+    def aggregate(self, other: TransferStatsBase) -> TransferStatsBase:
+        """Add ``other`` into this one (e.g. another worker's interval); returns self."""
+        snapshot = other.to_dict()
+        with self._lock:
+            self.num_bytes += snapshot["bytes"]
+            self.num_transfers += snapshot["transfers"]
+            self.total_seconds += snapshot["seconds"]
+            room = MAX_DURATION_SAMPLES - len(self.durations_s)
+            self.durations_s.extend(snapshot["durations_s"][: max(0, room)])
+            for name, n in snapshot["failures"].items():
+                self.failures[name] = self.failures.get(name, 0) + n
+            for name, n in snapshot["counters"].items():
+                self.counters[name] = self.counters.get(name, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """One line of numbers for the log: totals, throughput, latency percentiles, counters."""
+        with self._lock:
+            durations = sorted(self.durations_s)
+            out: dict[str, int | float] = {
+                "num_transfers": self.num_transfers,
+                "bytes": self.num_bytes,
+                # Summed over transfers: concurrent transfers make this per-transfer, not link, speed.
+                "throughput_gb_s": round(self.num_bytes / self.total_seconds / 1e9, 3)
+                if self.total_seconds
+                else 0.0,
+                "p50_latency_ms": round(_percentile(durations, 50) * 1e3, 3),
+                "p99_latency_ms": round(_percentile(durations, 99) * 1e3, 3),
+                "num_failures": sum(self.failures.values()),
+            }
+            out.update({f"failures_{kind}": n for kind, n in sorted(self.failures.items())})
+            out.update(sorted(self.counters.items()))
+        return out
+
+
+def make_vllm_stats_class(
+    name: str,
+    accumulator_cls: type[TransferStatsBase] = TransferStatsBase,
+    module: str | None = None,
+) -> type:
+    """A ``KVConnectorStats`` subclass whose ``data`` is ``accumulator_cls().to_dict()``.
+
+    Bind it at module level under the same name (``MyStats = make_vllm_stats_class("MyStats")``)
+    so pickle finds it in the other process. The connector returns ``MyStats.from_accumulator(acc)``
+    from ``get_kv_connector_stats()`` and ``MyStats.build(data)`` from ``build_kv_connector_stats``.
+    """
+    from kv_common.vllm_compat import metrics_module
+
+    base = metrics_module().KVConnectorStats
+
+    def _acc(self: Any) -> TransferStatsBase:
+        return accumulator_cls.from_dict(self.data)
+
+    def reset(self: Any) -> None:
+        self.data = accumulator_cls().to_dict()
+
+    def aggregate(self: Any, other: Any) -> Any:
+        if other is None or other.is_empty():
+            return self
+        self.data = _acc(self).aggregate(accumulator_cls.from_dict(other.data)).to_dict()
+        return self
+
+    def reduce(self: Any) -> dict[str, int | float]:
+        return _acc(self).reduce()
+
+    def is_empty(self: Any) -> bool:
+        return _acc(self).is_empty()
+
+    def from_accumulator(cls: type, accumulator: TransferStatsBase) -> Any:
+        return cls(data=accumulator.to_dict())
+
+    def build(cls: type, data: dict[str, Any] | None = None) -> Any:
+        return cls(data=accumulator_cls().to_dict() if data is None else dict(data))
+
+    if module is None:
+        module = sys._getframe(1).f_globals.get("__name__", __name__)  # the caller binds it there
+    return type(
+        name,
+        (base,),
+        {
+            "__module__": module,
+            "__qualname__": name,
+            "accumulator": _acc,
+            "reset": reset,
+            "aggregate": aggregate,
+            "reduce": reduce,
+            "is_empty": is_empty,
+            "from_accumulator": classmethod(from_accumulator),
+            "build": classmethod(build),
+        },
+    )

@@ -1,0 +1,96 @@
+"""Store keys for KV blocks. Pure functions: no vLLM, no torch.
+
+A key names one block of one rank's KV cache::
+
+    kv/<namespace>/<rank tag>/<block hash hex>
+
+- the block hash is vLLM's (``Request.block_hashes``): each hash already chains its parent, so a
+  key identifies the whole prefix up to and including its block;
+- the namespace is a digest of everything two instances must agree on before they may exchange a
+  block (model, dtype, KV-cache dtype, block size, layout, parallel sizes, hash algorithm);
+- the rank tag says which slice of the heads the value holds. MLA caches are identical on every
+  rank, so they get one copy (tag ``mla``). When TP is larger than the number of KV heads, ranks
+  holding the same replicated heads share one copy (their head group).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable, Mapping, Sequence
+
+KEY_PREFIX = "kv"
+
+
+def namespace(fingerprint: Mapping[str, Any]) -> str:
+    """Digest of a model/layout fingerprint (order-independent)."""
+    text = repr(sorted((str(k), repr(v)) for k, v in fingerprint.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def head_group(tp_rank: int, tp_size: int, total_kv_heads: int) -> tuple[int, int]:
+    """(group, number of groups): ranks in one group hold the same KV heads."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp rank {tp_rank} outside size {tp_size}")
+    if total_kv_heads <= 0 or tp_size <= total_kv_heads:
+        return tp_rank, tp_size
+    # More ranks than heads: vLLM replicates each head on tp_size // total_kv_heads ranks.
+    per_head = tp_size // total_kv_heads
+    return tp_rank // per_head, total_kv_heads
+
+
+def rank_tag(
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pcp_rank: int = 0,
+    pcp_size: int = 1,
+    dcp_rank: int = 0,
+    dcp_size: int = 1,
+    use_mla: bool = False,
+    total_kv_heads: int = 0,
+) -> str:
+    if use_mla:
+        return "mla"
+    group, groups = head_group(tp_rank, tp_size, total_kv_heads)
+    return f"hg{group}of{groups}.pcp{pcp_rank}of{pcp_size}.dcp{dcp_rank}of{dcp_size}"
+
+
+def all_rank_tags(
+    *, tp_size: int = 1, pcp_size: int = 1, dcp_size: int = 1, use_mla: bool = False, total_kv_heads: int = 0
+) -> list[str]:
+    """Every distinct tag of one instance: a block is usable only when all of them are stored."""
+    tags: dict[str, None] = {}
+    for tp in range(tp_size):
+        for pcp in range(pcp_size):
+            for dcp in range(dcp_size):
+                tag = rank_tag(
+                    tp_rank=tp, tp_size=tp_size, pcp_rank=pcp, pcp_size=pcp_size, dcp_rank=dcp,
+                    dcp_size=dcp_size, use_mla=use_mla, total_kv_heads=total_kv_heads,
+                )
+                tags[tag] = None
+    return list(tags)
+
+
+def hash_hex(block_hash: Any) -> str:
+    """vLLM block hashes are bytes; older versions used ints or (hash, tokens) tuples."""
+    if isinstance(block_hash, (bytes, bytearray, memoryview)):
+        return bytes(block_hash).hex()
+    if isinstance(block_hash, int):
+        return format(block_hash & ((1 << 256) - 1), "x")
+    inner = getattr(block_hash, "hash_value", None)
+    if inner is not None:
+        return hash_hex(inner)
+    return hashlib.sha256(repr(block_hash).encode()).hexdigest()
+
+
+def block_key(ns: str, tag: str, block_hash: Any) -> str:
+    return f"{KEY_PREFIX}/{ns}/{tag}/{hash_hex(block_hash)}"
+
+
+def block_keys(ns: str, tag: str, block_hashes: Iterable[Any]) -> list[str]:
+    return [block_key(ns, tag, h) for h in block_hashes]
+
+
+def keys_for_ranks(ns: str, tags: Sequence[str], block_hashes: Sequence[Any]) -> list[list[str]]:
+    """One key list per rank tag, each aligned with ``block_hashes``."""
+    return [block_keys(ns, tag, block_hashes) for tag in tags]

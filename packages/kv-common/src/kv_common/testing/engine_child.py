@@ -1,0 +1,157 @@
+"""Child-process side of :mod:`kv_common.testing.engine`: hosts exactly one vLLM ``LLM``.
+
+Run as ``python -m kv_common.testing.engine_child SPEC.json``. Protocol: JSON lines. The child's
+original stdout is the reply channel; fd 1 is pointed at stderr before vLLM is imported so that
+log lines (ours, vLLM's and the engine subprocesses') never mix with replies. Requests come as
+JSON lines on stdin:
+
+* ``{"op": "generate", "prompts": [[ids]], "extra_args": [dict|None] | null, "max_tokens": int | [int]}``
+* ``{"op": "close"}`` (or EOF on stdin)
+
+Replies: first ``{"event": "ready", ...}`` (or ``{"event": "error", ...}``), then one
+``{"ok": true, "result": {...}}`` / ``{"ok": false, "error": "..."}`` per request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, TextIO
+
+
+def _send(chan: TextIO, msg: dict[str, Any]) -> None:
+    chan.write(json.dumps(msg, default=repr) + "\n")
+    chan.flush()
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        return json.loads(json.dumps(obj, default=repr))
+    except (TypeError, ValueError):
+        return repr(obj)
+
+
+def _build_llm(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": spec["model_dir"],
+        "dtype": "float32",
+        "enforce_eager": True,
+        "skip_tokenizer_init": True,
+        "max_model_len": int(spec["max_model_len"]),
+        "seed": int(spec.get("seed", 0)),
+        "disable_log_stats": not spec.get("collect_metrics", True),
+    }
+    if spec.get("kv_cache_bytes"):
+        kwargs["kv_cache_memory_bytes"] = int(spec["kv_cache_bytes"])
+    if spec.get("block_size"):
+        kwargs["block_size"] = int(spec["block_size"])
+    if spec.get("kv_transfer_config"):
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    kwargs.update(spec.get("extra_llm_kwargs") or {})
+    return LLM(**kwargs)
+
+
+def _generate(llm: Any, req: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = req["prompts"]
+    n = len(prompts)
+    extra = req.get("extra_args") or [None] * n
+    max_tokens = req.get("max_tokens") or default_max_tokens
+    max_tokens_list = max_tokens if isinstance(max_tokens, list) else [max_tokens] * n
+    if len(extra) != n or len(max_tokens_list) != n:
+        raise ValueError("extra_args / max_tokens lists must have one entry per prompt")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=int(mt), ignore_eos=True, extra_args=ea or None)
+        for ea, mt in zip(extra, max_tokens_list)
+    ]
+    inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+    t0 = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    res: dict[str, Any] = {"token_ids": [], "num_cached_tokens": [], "kv_transfer_params": [],
+                           "ttft_s": [], "e2e_s": [], "wall_s": wall}
+    for out in outputs:
+        res["token_ids"].append([int(t) for t in out.outputs[0].token_ids])
+        res["num_cached_tokens"].append(int(out.num_cached_tokens or 0))
+        res["kv_transfer_params"].append(_jsonable(out.kv_transfer_params))
+        m = getattr(out, "metrics", None)
+        ttft = getattr(m, "first_token_latency", None) if m is not None else None
+        ttft = float(ttft) if ttft else None
+        e2e = None
+        if ttft is not None and getattr(m, "last_token_ts", 0) and getattr(m, "first_token_ts", 0):
+            e2e = ttft + float(m.last_token_ts - m.first_token_ts)
+        res["ttft_s"].append(ttft)
+        res["e2e_s"].append(e2e)
+    return res
+
+
+def _shutdown(llm: Any) -> None:
+    engine = getattr(llm, "llm_engine", None)
+    for target in (engine, getattr(engine, "engine_core", None)):
+        fn = getattr(target, "shutdown", None)
+        if callable(fn):
+            try:
+                fn()
+                return
+            except Exception:  # noqa: BLE001 - best effort; the parent kills the tree anyway
+                traceback.print_exc()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Reply channel = original stdout; everything else printed to fd 1 goes to stderr.
+    chan = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    with open(argv[0], encoding="utf-8") as fh:
+        spec = json.load(fh)
+
+    t0 = time.perf_counter()
+    try:
+        import vllm  # noqa: F401
+
+        t_import = time.perf_counter() - t0
+        llm = _build_llm(spec)
+    except BaseException:  # noqa: BLE001 - report every start failure to the parent
+        _send(chan, {"event": "error", "error": traceback.format_exc()})
+        return 1
+    t_start = time.perf_counter() - t0
+    _send(chan, {"event": "ready", "pid": os.getpid(), "import_s": t_import, "start_s": t_start})
+
+    default_max_tokens = int(spec.get("max_tokens", 16))
+    rc = 0
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            req = json.loads(line)
+            op = req.get("op")
+            if op == "close":
+                break
+            if op == "generate":
+                _send(chan, {"ok": True, "result": _generate(llm, req, default_max_tokens)})
+            elif op == "ping":
+                _send(chan, {"ok": True, "result": {"pid": os.getpid()}})
+            else:
+                _send(chan, {"ok": False, "error": f"unknown op {op!r}"})
+        except Exception:  # noqa: BLE001
+            _send(chan, {"ok": False, "error": traceback.format_exc()})
+    _shutdown(llm)
+    del llm
+    _send(chan, {"event": "closed"})
+    chan.close()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_common.delayed_free import DelayedFreeTracker
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(clock: FakeClock | None = None):
+    freed: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def free_fn(request_id: str, reason: str) -> None:
+        with lock:
+            freed.append((request_id, reason))
+
+    tracker = DelayedFreeTracker(free_fn, clock=clock or FakeClock())
+    return tracker, freed
+
+
+def test_frees_after_last_distinct_reader():
+    tracker, freed = make()
+    tracker.hold("r1", expected_done=2, ttl_s=10)
+    assert tracker.held() == {"r1"}
+    assert tracker.done("r1", "reader-a") is False
+    assert tracker.done("r1", "reader-a") is False  # duplicate from the same reader ignored
+    assert freed == []
+    assert tracker.done("r1", "reader-b") is True
+    assert freed == [("r1", "done")]
+    assert len(tracker) == 0
+    assert tracker.done("r1", "reader-c") is False  # already freed
+
+
+def test_unknown_done_is_ignored():
+    tracker, freed = make()
+    assert tracker.done("nope", "a") is False
+    assert freed == []
+
+
+def test_zero_expected_frees_at_once():
+    tracker, freed = make()
+    tracker.hold("r", expected_done=0, ttl_s=10)
+    assert freed == [("r", "done")]
+    assert len(tracker) == 0
+
+
+def test_expiry_frees_unread_hold():
+    clock = FakeClock()
+    tracker, freed = make(clock)
+    tracker.hold("r1", 1, ttl_s=5)
+    tracker.hold("r2", 1, ttl_s=50)
+    assert tracker.expire() == []
+    clock.now += 6
+    assert tracker.expire() == ["r1"]
+    assert freed == [("r1", "expired")]
+    assert tracker.held() == {"r2"}
+    assert tracker.begin_read("r1", "late") is False
+
+
+def test_lease_prevents_expiry_during_inflight_read():
+    clock = FakeClock()
+    tracker, freed = make(clock)
+    tracker.hold("r", 1, ttl_s=5)
+    assert tracker.begin_read("r", "reader", lease_s=3)
+    for _ in range(5):  # the pull runs long past the hold's deadline, renewing its lease
+        clock.now += 2
+        assert tracker.renew("r", 3, reader_id="reader")
+        assert tracker.expire() == []
+    assert freed == []
+    assert tracker.done("r", "reader") is True
+    assert freed == [("r", "done")]
+
+
+def test_stale_lease_lets_expiry_free():
+    clock = FakeClock()
+    tracker, freed = make(clock)
+    tracker.hold("r", 1, ttl_s=5)
+    assert tracker.begin_read("r", "reader", lease_s=3)
+    clock.now += 4  # lease lapsed, hold deadline not yet
+    assert tracker.expire() == []
+    clock.now += 2  # both lapsed: the reader is presumed dead
+    assert tracker.expire() == ["r"]
+    assert tracker.renew("r", 10, reader_id="reader") is False
+    assert tracker.done("r", "reader") is False
+    assert freed == [("r", "expired")]
+
+
+def test_begin_read_after_deadline_refused():
+    clock = FakeClock()
+    tracker, freed = make(clock)
+    tracker.hold("r", 1, ttl_s=1)
+    clock.now += 2
+    assert tracker.begin_read("r", "x") is False  # never read blocks about to be freed
+    assert tracker.begin_read("missing", "x") is False
+
+
+def test_renew_whole_hold_extends_deadline():
+    clock = FakeClock()
+    tracker, freed = make(clock)
+    tracker.hold("r", 1, ttl_s=2)
+    clock.now += 1
+    assert tracker.renew("r", 10)
+    clock.now += 5
+    assert tracker.expire() == []
+    clock.now += 6
+    assert tracker.expire() == ["r"]
+    assert tracker.renew("gone", 1) is False
+
+
+def test_abort_frees_immediately_without_reads():
+    tracker, freed = make()
+    tracker.hold("r", 2, ttl_s=10)
+    assert tracker.abort("r") is True
+    assert freed == [("r", "aborted")]
+    assert tracker.abort("r") is False
+    assert tracker.done("r", "a") is False
+    assert freed == [("r", "aborted")]
+
+
+def test_abort_waits_for_inflight_read_then_frees():
+    clock = FakeClock()
+    tracker, freed = make(clock)
+    tracker.hold("r", 2, ttl_s=10)
+    assert tracker.begin_read("r", "a")
+    assert tracker.abort("r") is False  # a read is in flight under a current lease
+    assert tracker.begin_read("r", "b") is False  # but no new reader may start
+    assert freed == []
+    assert tracker.done("r", "a") is True
+    assert freed == [("r", "aborted")]
+
+
+def test_abort_with_inflight_read_freed_by_expiry_when_reader_dies():
+    clock = FakeClock()
+    tracker, freed = make(clock)
+    tracker.hold("r", 1, ttl_s=10)
+    tracker.begin_read("r", "a", lease_s=1)
+    tracker.abort("r")
+    clock.now += 2
+    assert tracker.expire() == ["r"]
+    assert freed == [("r", "aborted")]
+
+
+def test_force_abort():
+    tracker, freed = make()
+    tracker.hold("r", 1, ttl_s=10)
+    tracker.begin_read("r", "a")
+    assert tracker.abort("r", force=True) is True
+    assert freed == [("r", "aborted")]
+
+
+def test_free_fn_failure_does_not_block_others(caplog):
+    clock = FakeClock()
+    calls = []
+
+    def free_fn(request_id, reason):
+        calls.append(request_id)
+        if request_id == "bad":
+            raise RuntimeError("boom")
+
+    tracker = DelayedFreeTracker(free_fn, clock=clock)
+    tracker.hold("bad", 1, 1)
+    tracker.hold("good", 1, 1)
+    clock.now += 2
+    assert sorted(tracker.expire()) == ["bad", "good"]
+    assert sorted(calls) == ["bad", "good"]
+
+
+def test_free_fn_may_reenter_tracker():
+    tracker = None
+    seen = []
+
+    def free_fn(request_id, reason):
+        seen.append((request_id, len(tracker)))  # would deadlock if called under the lock
+
+    tracker = DelayedFreeTracker(free_fn)
+    tracker.hold("r", 1, 10)
+    tracker.done("r", "a")
+    assert seen == [("r", 0)]
+
+
+def test_threads_race_done_expiry_abort_free_exactly_once():
+    clock = FakeClock()
+    tracker, freed = make(clock)
+    n = 300
+    for i in range(n):
+        tracker.hold(f"r{i}", expected_done=2, ttl_s=1)
+    barrier = threading.Barrier(5)
+
+    def readers(name: str):
+        barrier.wait()
+        for i in range(n):
+            if tracker.begin_read(f"r{i}", name):
+                tracker.done(f"r{i}", name)
+            else:
+                tracker.done(f"r{i}", name)  # harmless on a freed request
+
+    def expirer():
+        barrier.wait()
+        for _ in range(n):
+            tracker.expire(now=clock.now + 2)
+
+    def aborter():
+        barrier.wait()
+        for i in range(0, n, 3):
+            tracker.abort(f"r{i}", force=True)
+
+    threads = [threading.Thread(target=readers, args=(f"reader{k}",)) for k in range(2)]
+    threads += [threading.Thread(target=expirer), threading.Thread(target=aborter), threading.Thread(target=expirer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tracker.expire(now=clock.now + 2)
+    counts = Counter(request_id for request_id, _ in freed)
+    assert len(counts) == n
+    assert set(counts.values()) == {1}
+    assert len(tracker) == 0
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["begin", "done", "renew", "abort", "expire", "tick"]),
+        st.integers(min_value=0, max_value=2),  # reader
+        st.integers(min_value=0, max_value=2),  # request
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, expected=st.integers(min_value=1, max_value=3))
+def test_random_interleavings(ops, expected):
+    """Invariants: freed at most once; never freed while a reader holds a current lease
+    (except by done of the expected count); a reader whose begin_read succeeded is never freed
+    under by expiry while its lease is current."""
+    clock = FakeClock()
+    tracker, freed = make(clock)
+    requests = [f"r{i}" for i in range(3)]
+    for r in requests:
+        tracker.hold(r, expected, ttl_s=5)
+    active: dict[tuple[str, str], float] = {}  # (request, reader) -> lease deadline
+    for op, reader_index, request_index in ops:
+        r, reader = requests[request_index], f"reader{reader_index}"
+        before = len(freed)
+        if op == "begin":
+            ok = tracker.begin_read(r, reader, lease_s=3)
+            if ok:
+                assert r not in {f for f, _ in freed}
+                active[(r, reader)] = clock.now + 3
+        elif op == "done":
+            tracker.done(r, reader)
+            active.pop((r, reader), None)
+        elif op == "renew":
+            if tracker.renew(r, 3, reader_id=reader):
+                active[(r, reader)] = clock.now + 3
+        elif op == "abort":
+            tracker.abort(r)
+        elif op == "expire":
+            for freed_id in tracker.expire():
+                current = [k for k, deadline in active.items() if k[0] == freed_id and deadline > clock.now]
+                assert not current, f"{freed_id} expired under a current lease"
+        else:
+            clock.now += 2
+        for freed_id, reason in freed[before:]:
+            if reason != "done":
+                current = [k for k, deadline in active.items() if k[0] == freed_id and deadline > clock.now]
+                assert not current, f"{freed_id} freed ({reason}) under a current lease"
+    clock.now += 100
+    tracker.expire()
+    counts = Counter(f for f, _ in freed)
+    assert sorted(counts) == requests
+    assert set(counts.values()) == {1}

@@ -1,0 +1,251 @@
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kv_common.side_channel import (
+    ErrorReply,
+    SideChannelError,
+    SideChannelServer,
+    SideChannelTimeout,
+    open_socket_count,
+    request,
+)
+
+
+class Ping(msgspec.Struct, tag=True):
+    payload: str
+
+
+class Blob(msgspec.Struct, tag=True):
+    data: bytes
+
+
+class Pong(msgspec.Struct, tag=True):
+    payload: str
+
+
+class Boom(msgspec.Struct, tag=True):
+    pass
+
+
+def handler(message: msgspec.Struct) -> msgspec.Struct | None:
+    if isinstance(message, Ping):
+        return Pong(message.payload.upper())
+    if isinstance(message, Blob):
+        return Pong(str(len(message.data)))
+    raise ValueError("kaboom")
+
+
+@pytest.fixture
+def server():
+    with SideChannelServer("127.0.0.1", 0, handler, (Ping, Blob, Boom), max_message_bytes=4096) as srv:
+        yield srv
+    assert not srv.is_running
+
+
+def test_round_trip(server):
+    assert server.port > 0
+    reply = request(server.address, Ping("hello"), (Pong,), timeout_s=5)
+    assert reply == Pong("HELLO")
+    # A second call on a fresh socket works too, and nothing leaks.
+    assert request(f"tcp://{server.address}", Ping("x"), (Pong,), timeout_s=5) == Pong("X")
+
+
+def test_sockets_are_closed_after_each_call(server):
+    before = open_socket_count()
+    for _ in range(5):
+        request(server.address, Ping("a"), (Pong,), timeout_s=5)
+    assert open_socket_count() == before
+
+
+def test_deadline_raises_timeout():
+    # A bound ROUTER that never answers: the request is delivered but no reply comes.
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    before = open_socket_count()
+    try:
+        start = time.monotonic()
+        with pytest.raises(SideChannelTimeout):
+            request(f"127.0.0.1:{port}", Ping("x"), (Pong,), timeout_s=0.3)
+        elapsed = time.monotonic() - start
+        assert 0.25 <= elapsed < 0.8
+        assert open_socket_count() == before
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
+def test_nobody_listening_times_out():
+    with socket_port() as port:
+        pass  # port now free: nobody listens
+    start = time.monotonic()
+    with pytest.raises(SideChannelTimeout):
+        request(f"127.0.0.1:{port}", Ping("x"), (Pong,), timeout_s=0.2)
+    assert time.monotonic() - start < 0.7
+
+
+class socket_port:
+    """Find a free port by binding and releasing it."""
+
+    def __enter__(self) -> int:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        return self.sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_oversize_request_is_dropped_and_server_keeps_serving(server, caplog):
+    big = Blob(b"x" * 10_000)  # beyond the server's 4096-byte limit
+    with pytest.raises(SideChannelTimeout):  # zmq drops the frame and the peer: no reply
+        request(server.address, big, (Pong,), timeout_s=0.5, max_message_bytes=1 << 20)
+    assert server.is_running
+    assert request(server.address, Ping("still"), (Pong,), timeout_s=5) == Pong("STILL")
+
+
+def test_client_refuses_to_send_oversize():
+    with pytest.raises(SideChannelError, match="exceeds the limit"):
+        request("127.0.0.1:1", Blob(b"x" * 100), (Pong,), timeout_s=1, max_message_bytes=10)
+
+
+def test_reply_too_large_becomes_error_reply():
+    def big_handler(message):
+        return Pong("y" * 10_000)
+
+    with SideChannelServer("127.0.0.1", 0, big_handler, (Ping,), max_message_bytes=4096) as srv:
+        with pytest.raises(SideChannelError, match="reply too large"):
+            request(srv.address, Ping("x"), (Pong,), timeout_s=5)
+
+
+def _raw_dealer_exchange(port: int, frames: list[bytes], timeout_ms: int = 2000) -> list[bytes] | None:
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send_multipart(frames)
+        if dealer.poll(timeout_ms):
+            return dealer.recv_multipart()
+        return None
+    finally:
+        dealer.close(0)
+        ctx.term()
+
+
+def test_malformed_bytes_get_error_reply_and_one_warning(server, caplog):
+    with caplog.at_level(logging.WARNING, logger="kv_common.side_channel"):
+        reply = _raw_dealer_exchange(server.port, [b"\xc1\xff not msgpack"])
+    assert reply is not None
+    decoded = msgspec.msgpack.decode(reply[-1], type=ErrorReply)
+    assert "undecodable" in decoded.message
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert server.is_running
+    assert request(server.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
+
+
+def test_wrong_struct_type_is_rejected(server):
+    # Valid msgpack of a type the server does not accept: rejected, never constructed.
+    reply = _raw_dealer_exchange(server.port, [msgspec.msgpack.encode(Pong("sneaky"))])
+    assert reply is not None
+    assert "undecodable" in msgspec.msgpack.decode(reply[-1], type=ErrorReply).message
+    assert request(server.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
+
+
+def test_bad_envelope_is_dropped(server):
+    assert _raw_dealer_exchange(server.port, [b"a", b"b", b"c"], timeout_ms=300) is None
+    assert request(server.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
+
+
+def test_handler_exception_becomes_side_channel_error(server, caplog):
+    with pytest.raises(SideChannelError, match="kaboom"):
+        request(server.address, Boom(), (Pong,), timeout_s=5)
+    assert server.is_running
+
+
+def test_handler_returning_none_is_an_error():
+    with SideChannelServer("127.0.0.1", 0, lambda m: None, (Ping,)) as srv:
+        with pytest.raises(SideChannelError, match="no reply"):
+            request(srv.address, Ping("x"), (Pong,), timeout_s=5)
+
+
+def test_undecodable_reply_is_an_error(server):
+    class Other(msgspec.Struct, tag=True):
+        z: int
+
+    with pytest.raises(SideChannelError, match="undecodable reply"):
+        request(server.address, Ping("x"), (Other,), timeout_s=5)
+
+
+def test_concurrent_clients(server):
+    results: list[msgspec.Struct] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        reply = request(server.address, Ping(f"c{i}"), (Pong,), timeout_s=5)
+        with lock:
+            results.append(reply)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.payload for r in results) == sorted(f"C{i}" for i in range(16))
+
+
+def test_close_stops_thread_and_frees_socket():
+    before_threads = set(threading.enumerate())
+    before_sockets = open_socket_count()
+    srv = SideChannelServer("127.0.0.1", 0, handler, (Ping,), name="close-test").start()
+    assert srv.is_running
+    assert open_socket_count() == before_sockets + 1
+    start = time.monotonic()
+    srv.close()
+    assert time.monotonic() - start < 1.0
+    assert not srv.is_running
+    assert set(threading.enumerate()) <= before_threads
+    assert open_socket_count() == before_sockets
+    # The port is free again: a new server can bind it.
+    with SideChannelServer("127.0.0.1", srv.port, handler, (Ping,)) as again:
+        assert again.port == srv.port
+
+
+def test_binds_only_the_configured_host(server):
+    psutil = pytest.importorskip("psutil")
+    listening = [
+        c.laddr
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == server.port
+    ]
+    assert [addr.ip for addr in listening] == ["127.0.0.1"]
+
+
+def test_busy_port_raises():
+    with SideChannelServer("127.0.0.1", 0, handler, (Ping,)) as first:
+        with pytest.raises(SideChannelError, match="cannot bind"):
+            SideChannelServer("127.0.0.1", first.port, handler, (Ping,)).start()
+
+
+def test_untagged_structs_are_refused():
+    class Untagged(msgspec.Struct):
+        a: int
+
+    with pytest.raises(TypeError, match="tag=True"):
+        SideChannelServer("127.0.0.1", 0, handler, (Untagged, Ping))
+    with pytest.raises(TypeError, match="tag=True"):
+        request("127.0.0.1:1", Ping("x"), (Untagged,), timeout_s=0.1)
+
+
+def test_bad_address():
+    with pytest.raises(ValueError, match="host:port"):
+        request("no-port", Ping("x"), (Pong,), timeout_s=0.1)

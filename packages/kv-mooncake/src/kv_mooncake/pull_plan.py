@@ -1,0 +1,202 @@
+"""Which bytes a decode rank pulls from which prefill rank: pure arithmetic, no torch, no sockets.
+
+Model of the KV cache (per layer, per rank): ``[num_blocks, heads_on_rank, block_size, 2*head_size]``
+so a run of heads inside one block is one contiguous byte range.
+
+* Heads: with ``H`` KV heads in total and TP size ``T``, rank ``r`` holds heads
+  ``[r*H/T, (r+1)*H/T)`` when ``H >= T``; when ``H < T`` (GQA with more ranks than heads) it holds the
+  single head ``r // (T/H)``, replicated on ``T/H`` ranks. MLA keeps one latent "head" on every rank.
+* Tokens: context parallelism shards whole blocks round-robin. Logical block ``b`` of a request is on
+  prefill context rank ``b % Cp`` (``Cp = pcp*dcp``) at position ``b // Cp`` of the request's block
+  list, and belongs to decode context rank ``b % Dcp`` at position ``b // Dcp``.
+* Replicas: when several prefill ranks hold the same head (GQA replicas, or MLA), the source is chosen
+  from a seed both instances derive from the request id, so the prefill and every decode rank agree
+  without talking, and the load spreads over the replicas.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class PlanError(ValueError):
+    """The two layouts cannot exchange KV blocks (for example heads that do not divide)."""
+
+
+@dataclass(frozen=True)
+class PrefillLayout:
+    tp_size: int
+    total_kv_heads: int
+    pcp_size: int = 1
+    dcp_size: int = 1
+    dp_size: int = 1
+    use_mla: bool = False
+
+    @property
+    def cp_size(self) -> int:
+        return self.pcp_size * self.dcp_size
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.cp_size
+
+    def ranks(self) -> list["PrefillRank"]:
+        return [PrefillRank(t, c) for c in range(self.cp_size) for t in range(self.tp_size)]
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    tp_size: int
+    dcp_size: int = 1
+    dp_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dcp_size
+
+    def ranks(self) -> list["DecodeRank"]:
+        return [DecodeRank(t, d) for d in range(self.dcp_size) for t in range(self.tp_size)]
+
+
+class PrefillRank(NamedTuple):
+    tp_rank: int
+    cp_rank: int = 0  # pcp_rank * dcp_size + dcp_rank
+
+    def index(self, layout: PrefillLayout) -> int:
+        """Offset of this rank's side-channel port from the instance's base port."""
+        return self.cp_rank * layout.tp_size + self.tp_rank
+
+
+class DecodeRank(NamedTuple):
+    tp_rank: int
+    dcp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class HeadSpan:
+    """``num_heads`` consecutive heads: local head index on the source rank and on the destination."""
+
+    src_head: int
+    dst_head: int
+    num_heads: int
+
+
+@dataclass(frozen=True)
+class RankPull:
+    """Everything one decode rank reads from one prefill rank (identical for every layer)."""
+
+    source: PrefillRank
+    spans: tuple[HeadSpan, ...]
+    blocks: tuple[tuple[int, int], ...]  # (position in remote block list, position in local block list)
+
+
+def request_seed(request_id: str) -> int:
+    """Stable across processes and Python runs (unlike ``hash``)."""
+    return zlib.crc32(request_id.encode())
+
+
+def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int, use_mla: bool = False) -> tuple[int, int]:
+    """(first global head, number of heads) held by ``tp_rank``."""
+    if use_mla:
+        return 0, 1
+    if total_heads >= tp_size:
+        if total_heads % tp_size:
+            raise PlanError(f"{total_heads} KV heads do not divide over TP {tp_size}")
+        per = total_heads // tp_size
+        return tp_rank * per, per
+    if tp_size % total_heads:
+        raise PlanError(f"TP {tp_size} is not a multiple of {total_heads} KV heads")
+    return tp_rank // (tp_size // total_heads), 1
+
+
+def _source_tp_rank(prefill: PrefillLayout, head: int, decode_tp_rank: int, seed: int) -> int:
+    if prefill.use_mla:
+        return seed % prefill.tp_size  # one copy, the same rank for every decode rank
+    heads, tp = prefill.total_kv_heads, prefill.tp_size
+    if heads >= tp:
+        return head // (heads // tp)
+    replicas = tp // heads
+    return head * replicas + (seed + decode_tp_rank) % replicas
+
+
+def _head_spans(prefill: PrefillLayout, decode: DecodeLayout, tp_rank: int, seed: int) -> dict[int, list[HeadSpan]]:
+    """Source TP rank -> spans of heads this decode TP rank reads from it."""
+    first, count = heads_of_rank(prefill.total_kv_heads, decode.tp_size, tp_rank, prefill.use_mla)
+    spans: dict[int, list[HeadSpan]] = {}
+    for local in range(count):
+        head = first + local
+        src_tp = _source_tp_rank(prefill, head, tp_rank, seed)
+        src_first, _ = heads_of_rank(prefill.total_kv_heads, prefill.tp_size, src_tp, prefill.use_mla)
+        src_local = head - src_first
+        rank_spans = spans.setdefault(src_tp, [])
+        last = rank_spans[-1] if rank_spans else None
+        if last and last.src_head + last.num_heads == src_local and last.dst_head + last.num_heads == local:
+            rank_spans[-1] = HeadSpan(last.src_head, last.dst_head, last.num_heads + 1)
+        else:
+            rank_spans.append(HeadSpan(src_local, local, 1))
+    return spans
+
+
+def validate(prefill: PrefillLayout, decode: DecodeLayout) -> None:
+    for name, value in (("prefill tp", prefill.tp_size), ("prefill pcp", prefill.pcp_size),
+                        ("prefill dcp", prefill.dcp_size), ("decode tp", decode.tp_size),
+                        ("decode dcp", decode.dcp_size)):
+        if value < 1:
+            raise PlanError(f"{name} size must be >= 1, got {value}")
+    if not prefill.use_mla:
+        if prefill.total_kv_heads < 1:
+            raise PlanError("total_kv_heads must be >= 1")
+        heads_of_rank(prefill.total_kv_heads, prefill.tp_size, 0)
+        heads_of_rank(prefill.total_kv_heads, decode.tp_size, 0)
+
+
+def plan_pulls(
+    prefill: PrefillLayout,
+    decode: DecodeLayout,
+    rank: DecodeRank,
+    num_blocks: int,
+    skip_blocks: int = 0,
+    seed: int = 0,
+) -> list[RankPull]:
+    """What decode ``rank`` reads for a request of ``num_blocks`` logical blocks, of which the first
+    ``skip_blocks`` are already computed locally (prefix-cache hit)."""
+    validate(prefill, decode)
+    if not (0 <= rank.tp_rank < decode.tp_size and 0 <= rank.dcp_rank < decode.dcp_size):
+        raise PlanError(f"decode rank {rank} outside layout {decode}")
+    spans = _head_spans(prefill, decode, rank.tp_rank, seed)
+    cp = prefill.cp_size
+    blocks_by_cp: dict[int, list[tuple[int, int]]] = {}
+    for block in range(max(0, skip_blocks), num_blocks):
+        if block % decode.dcp_size != rank.dcp_rank:
+            continue
+        blocks_by_cp.setdefault(block % cp, []).append((block // cp, block // decode.dcp_size))
+    pulls = []
+    for src_tp in sorted(spans):
+        for cp_rank in sorted(blocks_by_cp):
+            pulls.append(RankPull(PrefillRank(src_tp, cp_rank), tuple(spans[src_tp]), tuple(blocks_by_cp[cp_rank])))
+    return pulls
+
+
+def readers_per_prefill_rank(
+    prefill: PrefillLayout, decode: DecodeLayout, num_blocks: int, skip_blocks: int = 0, seed: int = 0
+) -> dict[PrefillRank, int]:
+    """For every prefill rank: how many decode ranks will pull from it (0 = told to free at once)."""
+    counts = {r: 0 for r in prefill.ranks()}
+    for d in decode.ranks():
+        for pull in plan_pulls(prefill, decode, d, num_blocks, skip_blocks, seed):
+            counts[pull.source] += 1
+    return counts
+
+
+def expected_done_count(
+    prefill_rank: PrefillRank,
+    prefill: PrefillLayout,
+    decode: DecodeLayout,
+    num_blocks: int,
+    skip_blocks: int = 0,
+    seed: int = 0,
+) -> int:
+    """How many PullDone messages ``prefill_rank`` must see before it frees the request's blocks."""
+    return readers_per_prefill_rank(prefill, decode, num_blocks, skip_blocks, seed)[prefill_rank]
