@@ -5,7 +5,6 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kv_common.delayed_free import DelayedFreeTracker
 
 
@@ -216,7 +215,11 @@ def test_threads_race_done_expiry_abort_free_exactly_once():
             tracker.abort(f"r{i}", force=True)
 
     threads = [threading.Thread(target=readers, args=(f"reader{k}",)) for k in range(2)]
-    threads += [threading.Thread(target=expirer), threading.Thread(target=aborter), threading.Thread(target=expirer)]
+    threads += [
+        threading.Thread(target=expirer),
+        threading.Thread(target=aborter),
+        threading.Thread(target=expirer),
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -7,7 +7,6 @@ import time
 import msgspec
 import pytest
 import zmq
-
 from kv_common.side_channel import (
     ErrorReply,
     SideChannelError,
@@ -121,9 +120,9 @@ def test_reply_too_large_becomes_error_reply():
     def big_handler(message):
         return Pong("y" * 10_000)
 
-    with SideChannelServer("127.0.0.1", 0, big_handler, (Ping,), max_message_bytes=4096) as srv:
-        with pytest.raises(SideChannelError, match="reply too large"):
-            request(srv.address, Ping("x"), (Pong,), timeout_s=5)
+    srv = SideChannelServer("127.0.0.1", 0, big_handler, (Ping,), max_message_bytes=4096)
+    with srv, pytest.raises(SideChannelError, match="reply too large"):
+        request(srv.address, Ping("x"), (Pong,), timeout_s=5)
 
 
 def _raw_dealer_exchange(port: int, frames: list[bytes], timeout_ms: int = 2000) -> list[bytes] | None:
@@ -173,9 +172,9 @@ def test_handler_exception_becomes_side_channel_error(server, caplog):
 
 
 def test_handler_returning_none_is_an_error():
-    with SideChannelServer("127.0.0.1", 0, lambda m: None, (Ping,)) as srv:
-        with pytest.raises(SideChannelError, match="no reply"):
-            request(srv.address, Ping("x"), (Pong,), timeout_s=5)
+    srv = SideChannelServer("127.0.0.1", 0, lambda m: None, (Ping,))
+    with srv, pytest.raises(SideChannelError, match="no reply"):
+        request(srv.address, Ping("x"), (Pong,), timeout_s=5)
 
 
 def test_undecodable_reply_is_an_error(server):
@@ -231,9 +230,9 @@ def test_binds_only_the_configured_host(server):
 
 
 def test_busy_port_raises():
-    with SideChannelServer("127.0.0.1", 0, handler, (Ping,)) as first:
-        with pytest.raises(SideChannelError, match="cannot bind"):
-            SideChannelServer("127.0.0.1", first.port, handler, (Ping,)).start()
+    first = SideChannelServer("127.0.0.1", 0, handler, (Ping,))
+    with first, pytest.raises(SideChannelError, match="cannot bind"):
+        SideChannelServer("127.0.0.1", first.port, handler, (Ping,)).start()
 
 
 def test_untagged_structs_are_refused():

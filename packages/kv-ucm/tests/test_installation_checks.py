@@ -205,8 +205,14 @@ def test_native_config_derivation():
     assert cfg["storage_backends"] == ["/a", "/b"]
     assert (cfg["tensor_size"], cfg["shard_size"], cfg["block_size"]) == (4096, 12288, 12288)
     assert cfg["device_id"] == 0
-    lookup_only = ucm_store._native_config({"store_pipeline": "Posix", "storage_backends": ["/a"]}, None, 1)
-    assert lookup_only["device_id"] == -1
+    no_sizes = ucm_store._native_config(
+        {"store_pipeline": "Posix", "storage_backends": ["/a"]}, None, 1
+    )
+    assert no_sizes["device_id"] == -1
+    scheduler = ucm_store._native_config(
+        {"store_pipeline": "Posix", "storage_backends": ["/a"]}, 4096, 2, lookup_only=True
+    )
+    assert scheduler["device_id"] == -1 and scheduler["block_size"] == 8192
     with pytest.raises(ValueError, match="store_pipeline"):
         ucm_store._native_config({"storage_backends": "/a"}, 4096, 1)
     with pytest.raises(ValueError, match="tensor_size"):
@@ -218,6 +224,11 @@ def test_native_config_derivation():
 
 
 def test_exception_code_extraction():
-    assert ucm_store._exception_code(RuntimeError("failed, error code -50005")) == -50005
+    # the message formats UCM 0.8.1 raises with
+    assert ucm_store._exception_code(RuntimeError("-50005")) == -50005
+    assert ucm_store._exception_code(RuntimeError("-50000, invalid size(4096,3000,4096)")) == -50000
+    assert ucm_store._exception_code(RuntimeError("-50002, 2")) == -50002
+    assert ucm_store._exception_code(RuntimeError("-1, transfer is not enable")) == -1
     assert ucm_store._exception_code(RuntimeError(-50011, "unhealthy")) == -50011
     assert ucm_store._exception_code(RuntimeError("no code here")) == -1
+    assert ucm_store._exception_code(RuntimeError("failed 12 times")) == -1

@@ -7,9 +7,9 @@ entry point in every process (front-end, EngineCore, workers), so nothing heavy 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
-from typing import Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,13 @@ def discover_connectors() -> list[ConnectorSpec]:
 def _registered_target(loader: object) -> tuple[str, str] | None:
     """(module, class) behind a factory loader closure, when it can be read."""
     cells = getattr(loader, "__closure__", None) or ()
-    strings = [c.cell_contents for c in cells if isinstance(getattr(c, "cell_contents", None), str)]
-    return (strings[0], strings[1]) if len(strings) == 2 else None
+    names = getattr(getattr(loader, "__code__", None), "co_freevars", ())
+    # By variable name: CPython orders closure cells alphabetically (class_name before module_path).
+    values = {name: getattr(c, "cell_contents", None) for name, c in zip(names, cells, strict=False)}
+    module, class_name = values.get("module_path"), values.get("class_name")
+    if isinstance(module, str) and isinstance(class_name, str):
+        return module, class_name
+    return None
 
 
 def register_with_vllm(specs: Iterable[ConnectorSpec] | None = None) -> list[str]:

@@ -163,8 +163,6 @@ class SideChannelServer:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.warning("%s: server thread did not stop within %.1fs", self.name, timeout_s)
-        elif self._sock is not None:
-            _close_socket(self._sock)
 
     def __enter__(self) -> SideChannelServer:
         return self.start() if self._thread is None else self

@@ -22,6 +22,10 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[int(min(rank, len(sorted_values))) - 1]
 
 
+def _gb_per_s(num_bytes: int, seconds: float) -> float:
+    return float(f"{num_bytes / seconds / 1e9:.4g}") if seconds > 0 else 0.0  # 4 significant digits
+
+
 class TransferStatsBase:
     """Bytes, transfer count, latencies and failure counts for one reporting interval."""
 
@@ -104,9 +108,7 @@ class TransferStatsBase:
                 "num_transfers": self.num_transfers,
                 "bytes": self.num_bytes,
                 # Summed over transfers: concurrent transfers make this per-transfer, not link, speed.
-                "throughput_gb_s": round(self.num_bytes / self.total_seconds / 1e9, 3)
-                if self.total_seconds
-                else 0.0,
+                "throughput_gb_s": _gb_per_s(self.num_bytes, self.total_seconds),
                 "p50_latency_ms": round(_percentile(durations, 50) * 1e3, 3),
                 "p99_latency_ms": round(_percentile(durations, 99) * 1e3, 3),
                 "num_failures": sum(self.failures.values()),

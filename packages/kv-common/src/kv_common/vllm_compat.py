@@ -77,3 +77,23 @@ def tp_rank() -> int:
         return int(_import("vllm.distributed.parallel_state").get_tensor_model_parallel_rank())
     except Exception:  # noqa: BLE001 - not initialised in unit tests or the scheduler process
         return 0
+
+
+def parallel_ranks() -> dict[str, int]:
+    """This worker's tp / pcp / dcp rank (0 where the group is not initialised, e.g. in tests)."""
+    ranks = {"tp_rank": 0, "pcp_rank": 0, "dcp_rank": 0}
+    try:
+        state = _import("vllm.distributed.parallel_state")
+    except ImportError:
+        return ranks
+    for key, getter in (
+        ("tp_rank", "get_tensor_model_parallel_rank"),
+        ("pcp_rank", "get_pcp_group"),
+        ("dcp_rank", "get_dcp_group"),
+    ):
+        try:
+            value = getattr(state, getter)()
+            ranks[key] = int(value if isinstance(value, int) else value.rank_in_group)
+        except Exception:  # noqa: BLE001 - group not initialised
+            pass
+    return ranks

@@ -40,12 +40,17 @@ __all__ = [
 
 DEFAULT_CONNECTOR_NAME = "UcmPipelineStore"
 
-# Error codes UCM's native stores report (ucm/shared status codes, seen in exception text).
+# Status codes UCM 0.8.1 reports; the native layer raises RuntimeError (or its subclasses
+# StoreNotFoundError / StoreUnhealthyError) whose message starts with the code:
+# "-50000, invalid size(4096,3000,4096)", "-50002, 2" (errno 2 on the storage backend),
+# "-50005" (block or task not found), "-1, transfer is not enable".
+CODE_INVALID_PARAM = -50000
+CODE_OS_ERROR = -50002
 CODE_NOT_FOUND = -50005
 CODE_UNHEALTHY = -50011
 CODE_UNKNOWN = -1
 
-_CODE_RE = re.compile(r"-?\d{2,}")
+_CODE_RE = re.compile(r"^\s*\(?\s*(-?\d+)")
 
 
 class UcmError(BackendError):
@@ -131,17 +136,13 @@ def check_ucm_installation() -> None:
             f"distribution(s) {', '.join(others)} provide a top-level 'ucm' package that is "
             f"not UCM's; uninstall them, then {hint}"
         )
-    if not backends:
-        found = importlib.util.find_spec("ucm") is not None
-        where = "an unpackaged 'ucm' module is importable" if found else "UCM is not installed"
+    if not backends and importlib.util.find_spec("ucm") is None:
+        # (an importable 'ucm' without a distribution is a source checkout on sys.path: fine)
         py = "" if sys.version_info[:2] == (3, 12) else (
             f" (UCM wheels exist only for CPython 3.12; this is {sys.version_info[0]}."
             f"{sys.version_info[1]})"
         )
-        if found:
-            # A source checkout on sys.path (UCM's own CI) is acceptable.
-            return
-        raise UcmInstallationError(f"{where}{py}: {hint}")
+        raise UcmInstallationError(f"UCM is not installed{py}: {hint}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,6 +197,7 @@ def _native_config(
     config: Mapping[str, Any],
     tensor_size: int | None,
     tensors_per_block: int,
+    lookup_only: bool = False,
 ) -> dict[str, Any]:
     cfg = dict(config)
     if "store_pipeline" not in cfg:
@@ -215,8 +217,10 @@ def _native_config(
                 f"UCM needs tensor_size | shard_size | block_size, got {t}, {s}, {b}"
             )
         # device_id >= 0 makes the native store a "worker" that moves data; on the Posix
-        # pipeline no device is touched, the pointers are host memory.
-        cfg.setdefault("device_id", 0)
+        # pipeline no device is touched, the pointers are host memory. A lookup-only store
+        # still carries block_size: every Posix instance on one backend directory must publish
+        # the same GC config (block_size included) or UCM refuses to open it (-50000).
+        cfg.setdefault("device_id", -1 if lookup_only else 0)
     else:
         cfg.setdefault("device_id", -1)  # lookup only
     cfg.setdefault("posix_io_engine", "psync")
@@ -251,9 +255,10 @@ def _exception_code(exc: BaseException) -> int:
     for arg in getattr(exc, "args", ()):
         if isinstance(arg, int) and not isinstance(arg, bool):
             return arg
-    match = _CODE_RE.search(str(exc))
-    if match:
-        return int(match.group())
+        if isinstance(arg, str):
+            match = _CODE_RE.match(arg)
+            if match:
+                return int(match.group(1))
     return CODE_UNKNOWN
 
 
@@ -298,6 +303,7 @@ class UcmStore:
         tensor_size: int | None = None,
         tensors_per_block: int = 1,
         connector_name: str | None = None,
+        lookup_only: bool = False,
     ) -> "UcmStore":
         """Open a UCM store from a ``ucm_connector_config`` dict.
 
@@ -306,14 +312,15 @@ class UcmStore:
         ``ucm_connectors`` entry (``{"ucm_connector_name": ..., "ucm_connector_config": ...}``)
         is accepted too. ``tensor_size`` (bytes per buffer) and ``tensors_per_block`` size the
         store for transfers; native keys already in ``config`` (``tensor_size``, ``shard_size``,
-        ``block_size``, ``device_id``, ``posix_io_engine``, ...) win. Without any size the store
-        can only look up.
+        ``block_size``, ``device_id``, ``posix_io_engine``, ...) win. Without any size, or with
+        ``lookup_only``, the store can only look up (UCM's scheduler role, ``device_id=-1``);
+        give it the sizes anyway when writers share its directory (UCM checks they agree).
         """
         if "ucm_connector_config" in config:
             connector_name = connector_name or config.get("ucm_connector_name")
             config = config.get("ucm_connector_config") or {}
         name = connector_name or DEFAULT_CONNECTOR_NAME
-        native = _native_config(config, tensor_size, tensors_per_block)
+        native = _native_config(config, tensor_size, tensors_per_block, lookup_only)
         check_ucm_installation()
         try:
             factory = importlib.import_module("ucm.store.factory_v1").UcmConnectorFactoryV1
@@ -445,7 +452,10 @@ class UcmStore:
         return results
 
     def dump(self, block_ids: Sequence[bytes], buffers: Sequence[Any], *, shard: int = 0) -> list[bool]:
-        """Write each block's buffers under its id. Per block: stored (or already present)."""
+        """Write each block's buffers under its id. Per block: stored.
+
+        UCM's Posix store overwrites a block that already exists (last writer wins); a block
+        becomes visible to lookups once its last shard is written."""
         ids = self._check_ids(block_ids)
         keep: list[Any] = []
         rows = self._addresses(ids, buffers, writable=False, keep=keep)

@@ -1,0 +1,106 @@
+"""Conformance tests every ``Backend`` must pass, shared by all backends.
+
+Subclass in a test module and provide a ``backend`` fixture (a fresh, empty store)::
+
+    class TestEmbedded(BackendContract):
+        @pytest.fixture
+        def backend(self):
+            yield EmbeddedBackend(64 << 20)
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+
+def _key(tag: str) -> str:
+    return f"contract/{uuid.uuid4().hex}/{tag}"
+
+
+def _buffers(n: int, size: int) -> tuple[bytearray, list[memoryview]]:
+    raw = bytearray(n * size)
+    view = memoryview(raw)
+    return raw, [view[i * size : (i + 1) * size] for i in range(n)]
+
+
+class BackendContract:
+    value_size = 4096
+
+    def _register(self, backend, raw: bytearray) -> None:
+        backend.register_buffer(memoryview(raw))
+
+    def test_missing_keys_are_absent(self, backend):
+        keys = [_key("a"), _key("b")]
+        assert backend.batch_exists(keys) == [False, False]
+        raw, bufs = _buffers(2, self.value_size)
+        self._register(backend, raw)
+        assert backend.batch_get_into(keys, bufs) == [-1, -1]
+
+    def test_put_then_get_roundtrip(self, backend):
+        n = 4
+        keys = [_key(str(i)) for i in range(n)]
+        src, src_bufs = _buffers(n, self.value_size)
+        src[:] = os.urandom(len(src))
+        self._register(backend, src)
+        assert backend.batch_put(keys, src_bufs) == [True] * n
+        assert backend.batch_exists(keys) == [True] * n
+        dst, dst_bufs = _buffers(n, self.value_size)
+        self._register(backend, dst)
+        assert backend.batch_get_into(keys, dst_bufs) == [self.value_size] * n
+        assert dst == src
+
+    def test_mixed_batch_reports_per_key(self, backend):
+        present, missing = _key("p"), _key("m")
+        src, (buf,) = _buffers(1, self.value_size)
+        src[:] = b"\x07" * len(src)
+        self._register(backend, src)
+        assert backend.batch_put([present], [buf]) == [True]
+        assert backend.batch_exists([present, missing]) == [True, False]
+        dst, bufs = _buffers(2, self.value_size)
+        self._register(backend, dst)
+        assert backend.batch_get_into([present, missing], bufs) == [self.value_size, -1]
+        assert bytes(bufs[0]) == bytes(src)
+
+    def test_existing_key_keeps_a_value_and_counts_ok(self, backend):
+        key = _key("dup")
+        src, (buf,) = _buffers(1, self.value_size)
+        src[:] = b"\x01" * len(src)
+        self._register(backend, src)
+        assert backend.batch_put([key], [buf]) == [True]
+        src[:] = b"\x01" * len(src)
+        assert backend.batch_put([key], [buf]) == [True]
+        dst, (out,) = _buffers(1, self.value_size)
+        self._register(backend, dst)
+        assert backend.batch_get_into([key], [out]) == [self.value_size]
+        assert bytes(out) == bytes(src)
+
+    def test_get_into_too_small_buffer_is_a_miss_not_an_overrun(self, backend):
+        key = _key("big")
+        src, (buf,) = _buffers(1, self.value_size)
+        self._register(backend, src)
+        assert backend.batch_put([key], [buf]) == [True]
+        dst = bytearray(self.value_size)  # one registered region, a guard after the target
+        self._register(backend, dst)
+        small = memoryview(dst)[: self.value_size // 2]
+        assert backend.batch_get_into([key], [small]) == [-1]
+        assert dst[self.value_size // 2 :] == bytes(self.value_size // 2)
+
+    def test_empty_batches(self, backend):
+        assert backend.batch_exists([]) == []
+        assert backend.batch_put([], []) == []
+        assert backend.batch_get_into([], []) == []
+
+    def test_remove_when_supported(self, backend):
+        key = _key("rm")
+        src, (buf,) = _buffers(1, self.value_size)
+        self._register(backend, src)
+        backend.batch_put([key], [buf])
+        backend.batch_remove([key])
+        # Optional operation: either gone or (for backends without removal) still intact.
+        if backend.batch_exists([key]) == [True]:
+            dst, (out,) = _buffers(1, self.value_size)
+            self._register(backend, dst)
+            assert backend.batch_get_into([key], [out]) == [self.value_size]

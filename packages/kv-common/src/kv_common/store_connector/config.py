@@ -1,0 +1,34 @@
+"""Generic ``kv_connector_extra_config`` keys of every store-backed connector.
+
+A connector package subclasses ``StoreConnectorConfig`` to add its backend's keys.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kv_common.config import ConnectorConfig
+
+
+class StoreConnectorConfig(ConnectorConfig):
+    # Lookup (scheduler side). "sync": answer within lookup_timeout_s (a late answer counts as a
+    # miss). "async": answer "ask again later" while the lookup runs, so the scheduler never waits.
+    lookup_mode: Literal["sync", "async"] = "sync"
+    lookup_timeout_s: float = 1.0
+    # Load (worker side). "sync": all blocks are in place before the forward. "layerwise": the
+    # fetch runs in the background and each attention layer waits only for its own scatter.
+    load_mode: Literal["sync", "layerwise"] = "sync"
+    # Save computed blocks (None: when kv_role is kv_producer or kv_both).
+    save: bool | None = None
+    # Load from the store (None: when kv_role is kv_consumer or kv_both).
+    load: bool | None = None
+    # End-to-end crc32 of every value (detects corrupt or foreign values in any backend).
+    checksum: bool = True
+    # Staging memory for gathers/scatters, per direction (registered with the backend).
+    staging_bytes: int = 64 << 20
+    # What a miss after a positive lookup does. "recompute": the connector sets vLLM's
+    # kv_load_failure_policy to "recompute" in the scheduler (vLLM's own default, "fail", would fail
+    # the request on an evicted block). "vllm": leave vLLM's kv_load_failure_policy as configured.
+    load_failure_policy: Literal["recompute", "vllm"] = "recompute"
+    # Seconds shutdown waits for in-flight saves.
+    shutdown_timeout_s: float = 30.0

@@ -1,0 +1,212 @@
+"""``StoreConnectorBase``: the vLLM KV connector over any ``Backend``.
+
+A concrete connector names itself, its config type and how to build its backend::
+
+    class AscendStoreConnector(StoreConnectorBase):
+        connector_name = "AscendStoreConnector"
+        config_type = StoreConfig
+        def make_backend(self, config, role): return make_backend_from(config)
+
+Failure policy: a block missing or corrupt after a positive lookup is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes it. vLLM's own default
+``kv_load_failure_policy`` is "fail"; with ``load_failure_policy="recompute"`` (our default) the
+connector switches the scheduler to "recompute" so that a best-effort cache never fails a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kv_common.backend import Backend
+from kv_common.config import parse_extra_config
+from kv_common.failure_ledger import FailureLedger
+from kv_common.store_connector import keys as keys_mod
+from kv_common.store_connector.config import StoreConnectorConfig
+from kv_common.store_connector.metadata import StoreConnectorMetadata, StoreWorkerMetadata
+from kv_common.store_connector.scheduler import StoreScheduler
+from kv_common.store_connector.stats import StoreStats, vllm_stats_class
+from kv_common.store_connector.worker import StoreWorker
+from kv_common.vllm_compat import base_module, forward_context_kv_caches, model_fingerprint, parallel_ranks
+
+logger = logging.getLogger(__name__)
+_base = base_module()
+
+
+def store_fingerprint(vllm_config: Any) -> dict[str, Any]:
+    """Everything that decides whether two instances can exchange a stored block."""
+    fp = model_fingerprint(vllm_config)
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    fp["hash_algo"] = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
+    for name, getter in (
+        ("total_kv_heads", lambda: model.get_total_num_kv_heads()),
+        ("head_size", lambda: model.get_head_size()),
+        ("num_layers", lambda: model.get_num_layers(parallel)),
+    ):
+        try:
+            fp[name] = int(getter())
+        except Exception:  # noqa: BLE001 - partial configs in unit tests
+            fp[name] = 0
+    return fp
+
+
+class StoreConnectorBase(_base.KVConnectorBase_V1):
+    connector_name: str = "StoreConnector"
+    config_type: type[StoreConnectorConfig] = StoreConnectorConfig
+
+    def make_backend(self, config: StoreConnectorConfig, role: Any) -> Backend:
+        raise NotImplementedError(f"{type(self).__name__} must implement make_backend(config, role)")
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.store_config = parse_extra_config(
+            self.connector_name, self.config_type, ktc.kv_connector_extra_config
+        )
+        cfg = self.store_config
+        load = cfg.load if cfg.load is not None else bool(ktc.is_kv_consumer)
+        save = cfg.save if cfg.save is not None else bool(ktc.is_kv_producer)
+        fp = store_fingerprint(vllm_config)
+        self.namespace = keys_mod.namespace(fp)
+        self.block_size = int(fp["block_size"]) or 16
+        self.stats = StoreStats()
+        self.ledger = FailureLedger()
+        self.backend = self.make_backend(cfg, role)
+        self._scheduler: StoreScheduler | None = None
+        self._worker: StoreWorker | None = None
+        if role == _base.KVConnectorRole.SCHEDULER:
+            if cfg.load_failure_policy == "recompute" and getattr(ktc, "kv_load_failure_policy", None) != "recompute":
+                logger.info("%s: setting kv_load_failure_policy='recompute' (a store miss recomputes)", self.connector_name)
+                ktc.kv_load_failure_policy = "recompute"
+            tags = keys_mod.all_rank_tags(
+                tp_size=fp["tp_size"], pcp_size=fp["pcp_size"], dcp_size=fp["dcp_size"],
+                use_mla=fp["use_mla"], total_kv_heads=fp["total_kv_heads"],
+            )
+            self._scheduler = StoreScheduler(
+                backend=self.backend, namespace=self.namespace, rank_tags=tags, block_size=self.block_size,
+                config=cfg, load_enabled=load, save_enabled=save, stats=self.stats,
+            )
+        else:
+            ranks = parallel_ranks()
+            tag = keys_mod.rank_tag(
+                tp_rank=ranks["tp_rank"], tp_size=fp["tp_size"], pcp_rank=ranks["pcp_rank"],
+                pcp_size=fp["pcp_size"], dcp_rank=ranks["dcp_rank"], dcp_size=fp["dcp_size"],
+                use_mla=fp["use_mla"], total_kv_heads=fp["total_kv_heads"],
+            )
+            groups: dict[str, int] = {}
+            for g, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+                for name in group.layer_names:
+                    groups[name] = g
+            self._worker = StoreWorker(
+                backend=self.backend, namespace=self.namespace, rank_tag=tag, config=cfg,
+                layer_groups=groups, stats=self.stats, ledger=self.ledger,
+            )
+
+    # ---- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def _plan(self):
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, StoreConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        plan = self._plan()
+        if plan is None or not plan.loads:
+            return
+        if self._worker.value_size == 0:  # register_kv_caches not called (V2 runner path)
+            self._worker.register_kv_caches(forward_context_kv_caches(forward_context))
+        if self.store_config.load_mode == "layerwise" and self._worker.start_layerwise(plan):
+            return
+        self._worker.load_sync(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are saved after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.finish_layerwise()
+        plan = self._plan()
+        if plan is not None and plan.saves:
+            self._worker.submit_saves(plan)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, StoreConnectorMetadata):
+            self._worker.wait_for_request_saves(kv_connector_metadata.plan.preempted)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        done = self._worker.get_finished(finished_req_ids)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.ledger.take_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        if self._worker is None:
+            return None
+        report = self._worker.take_report()
+        return StoreWorkerMetadata(report) if report is not None else None
+
+    # ---- scheduler side ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        assert self._scheduler is not None
+        return StoreConnectorMetadata(self._scheduler.build_plan(scheduler_output))
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is None:
+            return
+        self._scheduler.on_finished_sending(connector_output.finished_sending or ())
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, StoreWorkerMetadata):
+            self._scheduler.on_worker_report(meta.report)
+
+    def take_events(self) -> Any:
+        return self._scheduler.take_events() if self._scheduler is not None else ()
+
+    # ---- both sides --------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> Any:
+        if self.stats.is_empty():
+            return None
+        snapshot = StoreStats.from_dict(self.stats.to_dict())
+        self.stats.reset()
+        return vllm_stats_class().from_accumulator(snapshot)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return vllm_stats_class().build(data)
+
+    def leak_report(self) -> dict[str, int]:
+        side = self._scheduler if self._scheduler is not None else self._worker
+        assert side is not None
+        return side.leak_report()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close(self.store_config.shutdown_timeout_s)
+        if self._scheduler is not None:
+            self._scheduler.close()
+        try:
+            self.backend.close()
+        except Exception:  # noqa: BLE001
+            logger.exception("%s: backend close failed", self.connector_name)

@@ -1,0 +1,264 @@
+"""Scheduler side: lookup with a deadline, the per-step load/save plan, held blocks, KV events.
+
+No torch here; the backend is only asked ``batch_exists``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from kv_common.backend import Backend
+from kv_common.store_connector import keys as keys_mod
+from kv_common.store_connector.config import StoreConnectorConfig
+from kv_common.store_connector.lookup import external_tokens, leading_present, loadable_blocks
+from kv_common.store_connector.metadata import BlockTransfer, StorePlan, StoreReport
+from kv_common.store_connector.stats import StoreStats
+
+logger = logging.getLogger(__name__)
+
+MAX_EVENTS = 10_000  # events nobody drains are dropped oldest first
+
+
+@dataclass
+class _Lookup:
+    first_block: int
+    num_blocks: int
+    deadline: float
+    future: Future | None
+    present: int | None = None  # leading blocks found (from first_block), once answered
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    block_ids: list[list[int]] = field(default_factory=list)
+    saved_upto: int = 0  # blocks [0, saved_upto) are in the store or scheduled for saving
+    has_saves: bool = False
+
+
+class StoreScheduler:
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        namespace: str,
+        rank_tags: Sequence[str],
+        block_size: int,
+        config: StoreConnectorConfig,
+        load_enabled: bool,
+        save_enabled: bool,
+        stats: StoreStats | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backend = backend
+        self.namespace = namespace
+        self.rank_tags = list(rank_tags)
+        self.block_size = block_size
+        self.config = config
+        self.load_enabled = load_enabled
+        self.save_enabled = save_enabled
+        self.stats = stats or StoreStats()
+        self._clock = clock
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-lookup")
+        self._lookups: dict[str, _Lookup] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: list[BlockTransfer] = []
+        self._held: set[str] = set()  # finished, blocks kept until the workers' saves complete
+        self._events: deque[Any] = deque(maxlen=MAX_EVENTS)
+        self._lookup_errors_logged = False
+
+    # ---- lookup -------------------------------------------------------------------------
+    def _exists(self, hashes: list[Any]) -> list[list[bool]]:
+        per_rank = keys_mod.keys_for_ranks(self.namespace, self.rank_tags, hashes)
+        flat = [k for keys in per_rank for k in keys]
+        found = self.backend.batch_exists(flat)
+        n = len(hashes)
+        return [list(found[i * n : (i + 1) * n]) for i in range(len(per_rank))]
+
+    def _answer(self, lookup: _Lookup, wait_s: float) -> bool:
+        """Fill ``lookup.present`` if the lookup finished within ``wait_s``; True when answered."""
+        if lookup.present is not None:
+            return True
+        assert lookup.future is not None
+        try:
+            result = lookup.future.result(timeout=max(wait_s, 0.0))
+        except FutureTimeout:
+            if self._clock() < lookup.deadline:
+                return False
+            lookup.future.cancel()
+            self.stats.incr("lookup_timeouts")
+            logger.warning("store lookup exceeded %.3fs: counted as a miss", self.config.lookup_timeout_s)
+            lookup.present = 0
+            return True
+        except Exception as exc:  # noqa: BLE001 - a broken store is a miss, not a failed request
+            self.stats.record_failure("lookup_error")
+            if not self._lookup_errors_logged:
+                logger.warning("store lookup failed (%s): counted as a miss", exc)
+                self._lookup_errors_logged = True
+            lookup.present = 0
+            return True
+        lookup.present = leading_present(result)
+        return True
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.load_enabled:
+            return 0, False
+        hashes = list(request.block_hashes)
+        num_blocks = loadable_blocks(request.num_tokens, len(hashes), self.block_size)
+        first = num_computed_tokens // self.block_size
+        if num_blocks <= first:
+            return 0, False
+        req_id = request.request_id
+        lookup = self._lookups.get(req_id)
+        if lookup is None or (lookup.first_block, lookup.num_blocks) != (first, num_blocks):
+            deadline = self._clock() + self.config.lookup_timeout_s
+            future = self._executor.submit(self._exists, hashes[first:num_blocks])
+            lookup = self._lookups[req_id] = _Lookup(first, num_blocks, deadline, future)
+        if self.config.lookup_mode == "async":
+            if not self._answer(lookup, 0.0):
+                return None, False  # ask again next step; the scheduler is not held up
+        else:
+            self._answer(lookup, lookup.deadline - self._clock())
+        assert lookup.present is not None
+        tokens = external_tokens(num_computed_tokens, first, lookup.present, self.block_size)
+        return tokens, False
+
+    # ---- allocation and per-step plan -----------------------------------------------------
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        state = self._requests.get(req_id)
+        if state is None:
+            state = self._requests[req_id] = _RequestState(request)
+        state.request = request
+        lookup = self._lookups.pop(req_id, None)
+        if num_external_tokens <= 0 or lookup is None:
+            if lookup is not None:
+                state.saved_upto = max(state.saved_upto, lookup.first_block)
+                self.stats.incr("lookup_misses")
+            return
+        block_ids = [list(g) for g in blocks.get_block_ids()]
+        first = lookup.first_block
+        count = num_external_tokens // self.block_size
+        hashes = [bytes(h) if isinstance(h, (bytes, bytearray)) else h for h in request.block_hashes[first : first + count]]
+        self._pending_loads.append(
+            BlockTransfer(
+                request_id=req_id,
+                block_hashes=hashes,
+                block_ids=[g[first : first + count] for g in block_ids],
+            )
+        )
+        state.saved_upto = max(state.saved_upto, first + count)
+        self.stats.incr("lookup_hits")
+        self.stats.incr("lookup_hit_tokens", num_external_tokens)
+
+    def _plan_save(self, state: _RequestState, computed_after: int) -> BlockTransfer | None:
+        if not self.save_enabled or not state.block_ids:
+            return None
+        hashes = state.request.block_hashes
+        full = min(computed_after // self.block_size, len(hashes), len(state.block_ids[0]))
+        if full <= state.saved_upto:
+            return None
+        start, state.saved_upto = state.saved_upto, full
+        state.has_saves = True
+        return BlockTransfer(
+            request_id=state.request.request_id,
+            block_hashes=[bytes(h) for h in hashes[start:full]],
+            block_ids=[g[start:full] for g in state.block_ids],
+        )
+
+    def build_plan(self, scheduler_output: Any) -> StorePlan:
+        plan = StorePlan()
+        plan.loads = [t for t in self._pending_loads if t.request_id in self._requests]
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = [list(g) for g in new.block_ids]
+            save = self._plan_save(state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            if save is not None:
+                plan.saves.append(save)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                state.block_ids = [list(g) for g in new_ids] if new_ids is not None else []
+            elif new_ids is not None:
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_ids]
+                for group, ids in zip(state.block_ids, new_ids):
+                    group.extend(ids)
+            save = self._plan_save(state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            if save is not None:
+                plan.saves.append(save)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.block_ids = []  # freed by vLLM; the resumed request brings new ones
+            plan.preempted.append(req_id)
+        return plan
+
+    # ---- finish, frees, events ------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        state = self._requests.pop(req_id, None)
+        if state is not None and state.has_saves:
+            self._held.add(req_id)
+            return True, None  # freed when the workers report the saves done (finished_sending)
+        return False, None
+
+    def on_finished_sending(self, request_ids: Iterable[str]) -> None:
+        for req_id in request_ids:
+            self._held.discard(req_id)
+
+    def on_worker_report(self, report: StoreReport | None) -> None:
+        if report is None:
+            return
+        events = _events_module()
+        if events is None:
+            return
+        if report.stored:
+            self._events.append(
+                events.BlockStored(
+                    block_hashes=list(report.stored), parent_block_hash=None, token_ids=[],
+                    block_size=self.block_size, lora_id=None, medium="store", lora_name=None,
+                )
+            )
+        if report.removed:
+            self._events.append(events.BlockRemoved(block_hashes=list(report.removed), medium="store"))
+
+    def take_events(self) -> list[Any]:
+        taken = list(self._events)
+        self._events.clear()
+        return taken
+
+    def leak_report(self) -> dict[str, int]:
+        return {
+            "pending_saves": len(self._held),
+            "pending_loads": len(self._pending_loads) + len(self._lookups),
+            "held_requests": len(self._requests) + len(self._held),
+        }
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _events_module() -> Any:
+    try:
+        from kv_common.vllm_compat import kv_events_module
+
+        return kv_events_module()
+    except ImportError:
+        return None

@@ -1,0 +1,386 @@
+"""Worker side: whole KV blocks between the paged cache and the store.
+
+- ``register_kv_caches``: learns the layout. CPU layout per layer is
+  ``[num_blocks, num_kv_heads, block_size, 2*head_size]``; any layout whose first dimension is the
+  block works, since whole blocks move.
+- Values: one per block, all layers concatenated in registration order, then a checksum trailer
+  (``codec``). Gathers and scatters go through a staging buffer registered with the backend once.
+- Loads: in ``start_load_kv`` before the forward ("sync"), or fetched in the background and
+  scattered per layer in ``wait_for_layer_load`` ("layerwise"). A missing, resized or corrupt value
+  becomes a load error for that block and every later block of the request (all KV-cache groups),
+  through the ``FailureLedger``; vLLM then recomputes them.
+- Saves: queued in ``wait_for_save`` (the forward has written the blocks) and run by one background
+  thread. A request with a save in flight is reported in ``finished_sending`` only when its saves
+  are done; the scheduler side keeps its blocks alive until then.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kv_common.backend import Backend
+from kv_common.failure_ledger import FailureLedger
+from kv_common.store_connector import codec
+from kv_common.store_connector import keys as keys_mod
+from kv_common.store_connector.config import StoreConnectorConfig
+from kv_common.store_connector.metadata import BlockTransfer, StorePlan, StoreReport
+from kv_common.store_connector.stats import StoreStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Layer:
+    name: str
+    blocks: torch.Tensor  # uint8 view [num_blocks, bytes_per_block]
+    offset: int  # where this layer's bytes start inside a value
+    nbytes: int
+    group: int
+
+
+class _Staging:
+    """``slots`` contiguous value-sized buffers, registered with the backend once."""
+
+    def __init__(self, value_size: int, total_bytes: int, backend: Backend) -> None:
+        self.value_size = value_size
+        self.slots = max(1, total_bytes // value_size)
+        self.tensor = torch.empty(self.slots * value_size, dtype=torch.uint8)
+        self.view = memoryview(self.tensor.numpy()).cast("B")
+        self.rows = self.tensor.view(self.slots, value_size)
+        self._backend = backend
+        backend.register_buffer(self.view)
+
+    def values(self, n: int) -> list[memoryview]:
+        vs = self.value_size
+        return [self.view[i * vs : (i + 1) * vs] for i in range(n)]
+
+    def close(self) -> None:
+        try:
+            self._backend.unregister_buffer(self.view)
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+
+
+@dataclass
+class _Fetched:
+    """Blocks fetched into staging for one request, waiting to be scattered."""
+
+    transfer: BlockTransfer
+    good: int  # blocks [0, good) verified in staging rows [row, row + good)
+    row: int
+
+
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class StoreWorker:
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        namespace: str,
+        rank_tag: str,
+        config: StoreConnectorConfig,
+        layer_groups: dict[str, int] | None = None,
+        stats: StoreStats | None = None,
+        ledger: FailureLedger | None = None,
+    ) -> None:
+        self.backend = backend
+        self.namespace = namespace
+        self.rank_tag = rank_tag
+        self.config = config
+        self.layer_groups = dict(layer_groups or {})
+        self.stats = stats or StoreStats()
+        self.ledger = ledger or FailureLedger()
+        self._layers: list[_Layer] = []
+        self._layer_index: dict[str, int] = {}
+        self.payload_size = 0
+        self.value_size = 0
+        self._save_staging: _Staging | None = None
+        self._load_staging: _Staging | None = None
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-save")
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-load")
+        self._lock = threading.Lock()
+        self._pending_saves: dict[str, list[Future]] = defaultdict(list)
+        self._finished: set[str] = set()  # vLLM finished these; report once their saves are done
+        self._report = StoreReport()
+        # layer-wise loading state for the current step
+        self._fetch: Future | None = None
+        self._scattered: set[int] = set()
+        self._closed = False
+
+    # ---- layout ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        offset = 0
+        num_blocks = None
+        for name, tensor in kv_caches.items():
+            if not tensor.is_contiguous():
+                raise ValueError(f"KV cache of layer {name} is not contiguous: cannot move whole blocks")
+            if num_blocks is None:
+                num_blocks = tensor.shape[0]
+            elif tensor.shape[0] != num_blocks:
+                raise ValueError(f"layer {name} has {tensor.shape[0]} blocks, others {num_blocks}")
+            blocks = tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
+            nbytes = blocks.shape[1]
+            self._layer_index[name] = len(self._layers)
+            self._layers.append(_Layer(name, blocks, offset, nbytes, self.layer_groups.get(name, 0)))
+            offset += nbytes
+        self.payload_size = offset
+        self.value_size = offset + codec.TRAILER_SIZE
+        self._save_staging = _Staging(self.value_size, self.config.staging_bytes, self.backend)
+        self._load_staging = _Staging(self.value_size, self.config.staging_bytes, self.backend)
+        logger.info(
+            "store worker: %d layers, %d bytes per block value, %d staging slots",
+            len(self._layers), self.value_size, self._save_staging.slots,
+        )
+
+    def _keys(self, hashes: Sequence[bytes]) -> list[str]:
+        return keys_mod.block_keys(self.namespace, self.rank_tag, hashes)
+
+    # ---- gather / scatter -----------------------------------------------------------------
+    def _gather(self, rows: torch.Tensor, transfer: BlockTransfer, lo: int, hi: int) -> None:
+        for layer in self._layers:
+            ids = transfer.block_ids[layer.group]
+            end = layer.offset + layer.nbytes
+            for j, i in enumerate(range(lo, hi)):
+                rows[j, layer.offset : end].copy_(layer.blocks[ids[i]])
+
+    def _scatter_layer(self, layer: _Layer, rows: torch.Tensor, transfer: BlockTransfer, row: int, n: int) -> None:
+        ids = transfer.block_ids[layer.group]
+        end = layer.offset + layer.nbytes
+        for j in range(n):
+            layer.blocks[ids[j]].copy_(rows[row + j, layer.offset : end])
+
+    # ---- saves ----------------------------------------------------------------------------
+    def submit_saves(self, plan: StorePlan) -> None:
+        for transfer in plan.saves:
+            future = self._saver.submit(self._save, transfer)
+            with self._lock:
+                self._pending_saves[transfer.request_id].append(future)
+
+    def _save(self, transfer: BlockTransfer) -> None:
+        staging = self._save_staging
+        assert staging is not None
+        keys = self._keys(transfer.block_hashes)
+        try:
+            present = self.backend.batch_exists(keys)
+        except Exception as exc:  # noqa: BLE001 - store down: nothing saved, nothing fails
+            self.stats.record_failure("put_error")
+            logger.warning("store save of %s skipped: exists check failed (%s)", transfer.request_id, exc)
+            return
+        todo = [i for i, p in enumerate(present) if not p]
+        # Runs of consecutive blocks to save, chunked to the staging size.
+        for lo, hi in _chunks(len(todo), staging.slots):
+            idx = todo[lo:hi]
+            sub = BlockTransfer(
+                request_id=transfer.request_id,
+                block_hashes=[transfer.block_hashes[i] for i in idx],
+                block_ids=[[g[i] for i in idx] for g in transfer.block_ids],
+            )
+            n = len(idx)
+            self._gather(staging.rows, sub, 0, n)
+            values = staging.values(n)
+            for value in values:
+                codec.write_trailer(value, self.payload_size, self.config.checksum)
+            t0 = time.perf_counter()
+            try:
+                ok = self.backend.batch_put([keys[i] for i in idx], values)
+            except Exception as exc:  # noqa: BLE001
+                ok = [False] * n
+                logger.warning("store put failed for %s: %s", transfer.request_id, exc)
+            seconds = time.perf_counter() - t0
+            stored = [h for h, good in zip(sub.block_hashes, ok) if good]
+            self.stats.record_put(len(stored) * self.value_size, seconds)
+            self.stats.incr("blocks_saved", len(stored))
+            if len(stored) < n:
+                self.stats.record_failure("put_failed")
+                self.stats.incr("blocks_save_failed", n - len(stored))
+            with self._lock:
+                self._report.stored.extend(stored)
+
+    def wait_for_request_saves(self, request_ids: Sequence[str]) -> None:
+        """Block until the saves of ``request_ids`` finished (their blocks are about to be reused)."""
+        for req_id in request_ids:
+            with self._lock:
+                futures = list(self._pending_saves.get(req_id, ()))
+            for future in futures:
+                future.exception()
+
+    # ---- loads ----------------------------------------------------------------------------
+    def _fetch_into(self, plan_loads: Sequence[BlockTransfer], staging: _Staging) -> list[_Fetched]:
+        """Fetch and verify values into staging rows; records failures. Requests beyond the
+        staging capacity are fetched in later rounds by the caller."""
+        out: list[_Fetched] = []
+        row = 0
+        for transfer in plan_loads:
+            n = len(transfer.block_hashes)
+            keys = self._keys(transfer.block_hashes)
+            values = staging.values(staging.slots)[row : row + n]
+            t0 = time.perf_counter()
+            try:
+                results = self.backend.batch_get_into(keys, values)
+            except Exception as exc:  # noqa: BLE001 - a dead store is a miss
+                logger.warning("store get failed for %s: %s", transfer.request_id, exc)
+                results = [-1] * n
+            seconds = time.perf_counter() - t0
+            good = 0
+            why = ""
+            for i in range(n):
+                if results[i] < 0:
+                    why = "miss"
+                    break
+                problem = codec.check_value(values[i], self.payload_size, results[i])
+                if problem is not None:
+                    why = f"corrupt ({problem})"
+                    break
+                good += 1
+            self.stats.record_get(good * self.value_size, seconds)
+            self.stats.incr("blocks_loaded", good)
+            if good < n:
+                self._fail(transfer, good, why)
+            out.append(_Fetched(transfer, good, row))
+            row += n
+        return out
+
+    def _fail(self, transfer: BlockTransfer, good: int, why: str) -> None:
+        n = len(transfer.block_hashes)
+        kind = "miss" if why == "miss" else "corrupt"
+        self.stats.record_failure(kind)
+        self.stats.incr("blocks_load_failed", n - good)
+        logger.warning(
+            "store load of %s: block %d of %d %s; %d block(s) reported for recompute",
+            transfer.request_id, good, n, why, n - good,
+        )
+        self.ledger.record_failed_load(transfer.request_id, [g[good:] for g in transfer.block_ids])
+        with self._lock:
+            self._report.removed.append(transfer.block_hashes[good])
+
+    def _rounds(self, loads: Sequence[BlockTransfer], slots: int) -> list[list[BlockTransfer]]:
+        """Group loads so each round fits the staging rows (splitting large requests)."""
+        rounds: list[list[BlockTransfer]] = [[]]
+        used = 0
+        for transfer in loads:
+            n = len(transfer.block_hashes)
+            for lo, hi in _chunks(n, slots):
+                part = BlockTransfer(
+                    request_id=transfer.request_id,
+                    block_hashes=transfer.block_hashes[lo:hi],
+                    block_ids=[g[lo:hi] for g in transfer.block_ids],
+                )
+                if used + (hi - lo) > slots:
+                    rounds.append([])
+                    used = 0
+                rounds[-1].append(part)
+                used += hi - lo
+        return [r for r in rounds if r]
+
+    def load_sync(self, plan: StorePlan) -> None:
+        staging = self._load_staging
+        if staging is None or not plan.loads:
+            return
+        failed: set[str] = set()
+        for round_loads in self._rounds(plan.loads, staging.slots):
+            todo = []
+            for part in round_loads:
+                if part.request_id in failed:
+                    # an earlier part of this request failed: nothing after it is valid
+                    self.ledger.record_failed_load(part.request_id, part.block_ids)
+                else:
+                    todo.append(part)
+            for f in self._fetch_into(todo, staging):
+                for layer in self._layers:
+                    self._scatter_layer(layer, staging.rows, f.transfer, f.row, f.good)
+                if f.good < len(f.transfer.block_hashes):
+                    failed.add(f.transfer.request_id)
+
+    def start_layerwise(self, plan: StorePlan) -> bool:
+        """Begin a background fetch; False when it does not fit staging (caller loads sync)."""
+        staging = self._load_staging
+        if staging is None or not plan.loads:
+            return True
+        if sum(len(t.block_hashes) for t in plan.loads) > staging.slots:
+            return False
+        self._scattered = set()
+        self._fetch = self._loader.submit(self._fetch_into, list(plan.loads), staging)
+        return True
+
+    def wait_layer(self, layer_name: str) -> None:
+        if self._fetch is None:
+            return
+        index = self._layer_index.get(layer_name)
+        if index is None or index in self._scattered:
+            return
+        fetched = self._fetch.result()
+        assert self._load_staging is not None
+        for f in fetched:
+            self._scatter_layer(self._layers[index], self._load_staging.rows, f.transfer, f.row, f.good)
+        self._scattered.add(index)
+
+    def finish_layerwise(self) -> None:
+        if self._fetch is None:
+            return
+        for layer in self._layers:
+            self.wait_layer(layer.name)
+        self._fetch = None
+
+    # ---- per-step results -----------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        done: set[str] = set()
+        with self._lock:
+            self._finished |= set(finished_req_ids)
+            for req_id in list(self._finished):
+                futures = self._pending_saves.get(req_id)
+                if futures is None:
+                    self._finished.discard(req_id)  # never saved: the scheduler did not hold it
+                    continue
+                if all(f.done() for f in futures):
+                    del self._pending_saves[req_id]
+                    self._finished.discard(req_id)
+                    done.add(req_id)
+        return done
+
+    def take_report(self) -> StoreReport | None:
+        with self._lock:
+            report, self._report = self._report, StoreReport()
+        return report if (report.stored or report.removed) else None
+
+    def leak_report(self) -> dict[str, int]:
+        with self._lock:
+            pending = sum(1 for fs in self._pending_saves.values() for f in fs if not f.done())
+            held = len(self._pending_saves)
+        return {
+            "pending_saves": pending,
+            "pending_loads": 0 if self._fetch is None else 1,
+            "held_requests": held,
+        }
+
+    def close(self, timeout_s: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            futures = [f for fs in self._pending_saves.values() for f in fs]
+        for future in futures:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.warning("store worker: shutting down with saves still in flight")
+                break
+            try:
+                future.exception(timeout=remaining)
+            except Exception:  # noqa: BLE001 - timeout
+                break
+        self._saver.shutdown(wait=False, cancel_futures=True)
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        for staging in (self._save_staging, self._load_staging):
+            if staging is not None:
+                staging.close()

@@ -1,0 +1,40 @@
+"""``kv_connector_extra_config`` of MooncakeConnectorV1, typed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kv_common.config import ConnectorConfig, parse_extra_config
+
+CONNECTOR_NAME = "MooncakeConnectorV1"
+
+
+class MooncakeConfig(ConnectorConfig):
+    side_channel_host: str = "127.0.0.1"
+    # Base port of this instance's side channel (each worker rank listens on base + rank index).
+    # None: vLLM's ``kv_port``. Instances that share a host need distinct bases.
+    side_channel_port: int | None = None
+    # Host the TransferEngine advertises to peers.
+    te_host: str | None = None
+    protocol: Literal["tcp", "rdma", "ascend", "nvlink"] = "tcp"
+    device_name: str = ""
+    pull_timeout_s: float = 30.0  # decode: a pull that is not done by then fails (load error)
+    hold_timeout_s: float = 120.0  # prefill: blocks nobody pulled are freed after this
+    lease_s: float = 10.0  # prefill: an in-flight pull keeps blocks this long past the hold, renewed
+    handshake_timeout_s: float = 5.0
+    max_inflight_transfers: int = 512  # per peer; the TCP transport rejects more than 1024
+    num_pull_threads: int = 4
+    max_message_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_inflight_transfers <= 1024:
+            raise ValueError("max_inflight_transfers must be in 1..1024 (Mooncake's per-peer TCP queue)")
+        for name in ("pull_timeout_s", "hold_timeout_s", "lease_s", "handshake_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.num_pull_threads < 1:
+            raise ValueError("num_pull_threads must be >= 1")
+
+
+def load_config(extra: dict | None) -> MooncakeConfig:
+    return parse_extra_config(CONNECTOR_NAME, MooncakeConfig, extra)

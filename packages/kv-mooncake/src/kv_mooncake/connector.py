@@ -1,0 +1,143 @@
+"""``MooncakeConnectorV1``: vLLM's entry point; delegates to the scheduler or worker side by role."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kv_common import vllm_compat
+from kv_mooncake.config import load_config
+from kv_mooncake.metadata import MooncakeStep
+from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
+from kv_mooncake.scheduler import MooncakeScheduler, side_channel_base_port
+from kv_mooncake.worker import MooncakeWorker
+
+logger = logging.getLogger(__name__)
+
+_base = vllm_compat.base_module()
+
+
+class MooncakeConnectorMetadata(_base.KVConnectorMetadata):
+    def __init__(self, step: MooncakeStep):
+        self.step = step
+
+
+def _parallel(vllm_config: Any) -> dict[str, int]:
+    fp = vllm_compat.model_fingerprint(vllm_config)
+    parallel = vllm_config.parallel_config
+    return {
+        "tp": fp["tp_size"],
+        "pcp": fp["pcp_size"],
+        "dcp": fp["dcp_size"],
+        "dp_rank": int(getattr(parallel, "data_parallel_rank", 0) or 0),
+    }
+
+
+class MooncakeConnectorV1(_base.KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.config = load_config(dict(ktc.kv_connector_extra_config or {}))
+        self.engine_id = str(ktc.engine_id)
+        par = _parallel(vllm_config)
+        world = par["tp"] * par["pcp"] * par["dcp"]
+        port = side_channel_base_port(self.config, int(ktc.kv_port), par["dp_rank"], world)
+        is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        self._scheduler: MooncakeScheduler | None = None
+        self._worker: MooncakeWorker | None = None
+        if role == _base.KVConnectorRole.SCHEDULER:
+            self._scheduler = MooncakeScheduler(
+                self.config, engine_id=self.engine_id, block_size=int(vllm_config.cache_config.block_size),
+                is_producer=is_producer, is_consumer=is_consumer, side_channel_port=port,
+                tp_size=par["tp"], pcp_size=par["pcp"], dcp_size=par["dcp"],
+            )
+        else:
+            model = vllm_config.model_config
+            fp = vllm_compat.model_fingerprint(vllm_config)
+            tp_rank = vllm_compat.tp_rank()
+            use_mla = bool(fp["use_mla"])
+            total_heads = 1 if use_mla else int(model.get_total_num_kv_heads())
+            self._worker = MooncakeWorker(
+                self.config, engine_id=self.engine_id, is_producer=is_producer, is_consumer=is_consumer,
+                side_channel_port=port,
+                # Context-parallel ranks are not wired on CPU (PCP/DCP need GPU attention backends).
+                prefill_rank=PrefillRank(tp_rank, 0), decode_rank=DecodeRank(tp_rank, 0),
+                prefill_layout=PrefillLayout(tp_size=par["tp"], total_kv_heads=total_heads,
+                                             pcp_size=par["pcp"], dcp_size=par["dcp"], use_mla=use_mla),
+                decode_layout=DecodeLayout(tp_size=par["tp"], dcp_size=par["dcp"]),
+                total_kv_heads=total_heads, use_mla=use_mla,
+                compatibility_base={"model": fp["model"]},
+            )
+
+    # ---- scheduler side ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        assert self._scheduler is not None
+        return MooncakeConnectorMetadata(self._scheduler.build_step())
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(getattr(connector_output, "finished_sending", None))
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
+    # ---- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        if isinstance(meta, MooncakeConnectorMetadata):
+            self._worker.start_step(meta.step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: a request runs only after its pull finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # the decode pulls; nothing to push
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.ledger.take_block_ids_with_load_errors() if self._worker else set()
+
+    def get_kv_connector_stats(self) -> Any:
+        if self._worker is None or self._worker.stats.is_empty():
+            return None
+        from kv_mooncake.stats import MooncakeConnectorStats
+
+        out = MooncakeConnectorStats.from_accumulator(self._worker.stats)
+        self._worker.stats.reset()
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> Any:
+        from kv_mooncake.stats import MooncakeConnectorStats
+
+        return MooncakeConnectorStats.build(data)
+
+    def leak_report(self) -> dict[str, int]:
+        return self._worker.leak_report() if self._worker else {"held_blocks": 0, "pending_pulls": 0}
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

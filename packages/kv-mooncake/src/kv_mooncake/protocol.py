@@ -1,0 +1,99 @@
+"""Side-channel messages between a decode worker (client) and a prefill worker (server).
+
+msgpack-encoded msgspec Structs (tagged unions, size-limited by kv_common.side_channel); never pickle.
+
+Flow for one request and one (decode rank, prefill rank) pair::
+
+    Handshake  -> HandshakeReply | Refused      (once per peer rank, cached)
+    PullStarted-> Ack | Refused                  (takes a lease: blocks cannot be freed under the read)
+    LeaseRenew -> Ack | Refused                  (long pulls)
+    PullDone   -> Ack                            (always sent, also after a failed read)
+    FreeNow    -> Ack                            (ranks nobody reads from; aborted decode requests)
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Compatibility(msgspec.Struct, frozen=True, kw_only=True):
+    """What two instances must agree on before blocks move between them."""
+
+    model: str
+    dtype: str
+    block_size: int
+    head_size: int
+    num_layers: int
+    total_kv_heads: int
+    use_mla: bool
+    layout: str = "cpu:[blocks,heads,block_size,2*head_size]"
+
+    def differences(self, other: "Compatibility") -> list[str]:
+        return [
+            f"{name} {getattr(self, name)!r} vs {getattr(other, name)!r}"
+            for name in self.__struct_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+
+
+class Handshake(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    engine_id: str  # the engine the decode believes it talks to
+    compatibility: Compatibility
+    reader_id: str
+
+
+class HandshakeReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    engine_id: str
+    te_address: str  # "host:rpc_port" of the prefill rank's TransferEngine
+    layer_names: list[str]
+    base_addresses: list[int]  # per layer, same order as layer_names
+    block_bytes: list[int]  # bytes of one block, per layer
+    num_blocks: int
+    heads_on_rank: int
+    compatibility: Compatibility
+
+
+class PullStarted(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    request_id: str
+    reader_id: str
+    expected_readers: int  # decode ranks that will pull from this prefill rank (same for all)
+
+
+class LeaseRenew(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    request_id: str
+    reader_id: str
+
+
+class PullDone(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    request_id: str
+    reader_id: str
+    ok: bool
+    expected_readers: int = 1
+
+
+class FreeNow(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    request_id: str
+    reader_id: str = ""
+
+
+class LeakQuery(msgspec.Struct, tag=True, frozen=True):
+    """Tests and operators: what does this worker still hold?"""
+
+
+class Ack(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+class Refused(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    reason: str
+    retry: bool = False  # the request is not held *yet*: ask again shortly
+
+
+class LeakReport(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    held_blocks: int
+    held_requests: int
+    pending_pulls: int
+
+
+REQUEST_TYPES = (Handshake, PullStarted, LeaseRenew, PullDone, FreeNow, LeakQuery)
+REPLY_TYPES = (HandshakeReply, Ack, Refused, LeakReport)

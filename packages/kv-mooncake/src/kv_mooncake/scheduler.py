@@ -1,0 +1,154 @@
+"""Scheduler-side logic of MooncakeConnectorV1 (runs in the EngineCore process, no torch).
+
+Prefill (producer): a finished ``do_remote_decode`` request keeps its blocks (``request_finished``
+returns True) and hands the decode the ``kv_transfer_params`` to pull them; the worker frees them
+when the readers are done. Decode (consumer): a ``do_remote_prefill`` request is loaded
+asynchronously; the worker pulls and reports it in ``finished_recving``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from kv_common.metadata import KVTransferParams
+from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource
+
+logger = logging.getLogger(__name__)
+
+_FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+def side_channel_base_port(config: MooncakeConfig, kv_port: int, dp_rank: int, world_size: int) -> int:
+    """First side-channel port of this DP rank's workers (worker ``i`` listens on base + i)."""
+    base = config.side_channel_port if config.side_channel_port is not None else kv_port
+    return base + dp_rank * world_size
+
+
+def _remote_source(params: dict) -> RemoteSource | None:
+    try:
+        p = KVTransferParams.from_dict(params)
+    except (msgspec.ValidationError, TypeError) as exc:
+        logger.warning("MooncakeConnectorV1: invalid kv_transfer_params (%s): %s", exc, params)
+        return None
+    if p is None or not (p.remote_engine_id and p.remote_host and p.remote_port and p.remote_request_id):
+        logger.warning("MooncakeConnectorV1: kv_transfer_params lack the remote engine: %s", params)
+        return None
+    return RemoteSource(
+        engine_id=p.remote_engine_id,
+        host=p.remote_host,
+        port=p.remote_port,
+        request_id=p.remote_request_id,
+        block_ids=list(p.remote_block_ids),
+        tp_size=p.remote_tp_size,
+        pcp_size=p.remote_pcp_size,
+        dcp_size=p.remote_dcp_size,
+    )
+
+
+class MooncakeScheduler:
+    def __init__(
+        self,
+        config: MooncakeConfig,
+        *,
+        engine_id: str,
+        block_size: int,
+        is_producer: bool,
+        is_consumer: bool,
+        side_channel_port: int,
+        tp_size: int = 1,
+        pcp_size: int = 1,
+        dcp_size: int = 1,
+    ):
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self.side_channel_port = side_channel_port
+        self.tp_size, self.pcp_size, self.dcp_size = tp_size, pcp_size, dcp_size
+        self._local_computed: dict[str, int] = {}  # decode: prefix hit seen by get_num_new_matched_tokens
+        self._step = MooncakeStep()
+        self._held: set[str] = set()  # prefill: requests whose blocks the workers still hold
+
+    # ---- decode side -------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or not self.is_consumer:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        self._local_computed[request.request_id] = num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or not self.is_consumer:
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, even if called again
+        source = _remote_source(params)
+        local_computed = self._local_computed.pop(request.request_id, 0)
+        if source is None:
+            return
+        if num_external_tokens <= 0:
+            self._step.frees.append(source)  # full local hit: nothing to pull, the prefill may free
+            return
+        num_tokens = local_computed + num_external_tokens
+        self._step.pulls.append(
+            PullRequest(
+                request_id=request.request_id,
+                source=source,
+                local_block_ids=[list(g) for g in blocks.get_block_ids()],
+                num_blocks=-(-num_tokens // self.block_size),
+                skip_blocks=local_computed // self.block_size,
+            )
+        )
+
+    # ---- both --------------------------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        self._local_computed.pop(request.request_id, None)
+        if params.get("do_remote_prefill"):
+            # Finished (aborted) before its blocks were allocated: the prefill still holds them.
+            params["do_remote_prefill"] = False
+            source = _remote_source(params)
+            if source is not None:
+                self._step.frees.append(source)
+            return False, None
+        if not params.get("do_remote_decode") or not self.is_producer:
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        groups = [list(g) for g in block_ids] if block_ids and isinstance(block_ids[0], (list, tuple)) else [list(block_ids or [])]
+        if status not in _FINISHED_OK or not any(groups):
+            return False, None  # aborted prefill: vLLM frees its blocks now, nothing to hand over
+        self._held.add(request.request_id)
+        self._step.holds.append(HoldRequest(request_id=request.request_id, num_blocks=len(groups[0])))
+        out = KVTransferParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.engine_id,
+            remote_host=self.config.side_channel_host,
+            remote_port=self.side_channel_port,
+            remote_block_ids=groups[0],
+            remote_request_id=request.request_id,
+            remote_tp_size=self.tp_size,
+            remote_pcp_size=self.pcp_size,
+            remote_dcp_size=self.dcp_size,
+            remote_num_tokens=int(getattr(request, "num_computed_tokens", 0)),
+        ).to_dict()
+        out["do_remote_decode"] = False
+        return True, out
+
+    def build_step(self) -> MooncakeStep:
+        step, self._step = self._step, MooncakeStep()
+        return step
+
+    def update_connector_output(self, finished_sending: set[str] | None) -> None:
+        for request_id in finished_sending or ():
+            self._held.discard(request_id)
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._held)

@@ -1,0 +1,113 @@
+"""Thin wrapper over ``mooncake.engine.TransferEngine``: return codes become one ``TransferError``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Sequence
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = (
+    "the Mooncake TransferEngine cannot be imported ({exc}). On CPU: "
+    "pip install 'kv-mooncake[cpu]' (mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1; "
+    "on GPU/NPU machines install the Mooncake build for that device."
+)
+
+
+class TransferError(RuntimeError):
+    def __init__(self, op: str, code: int, detail: str = ""):
+        self.op, self.code = op, code
+        super().__init__(f"Mooncake TransferEngine {op} failed (code {code})" + (f": {detail}" if detail else ""))
+
+
+def _engine_class():
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise ImportError(_INSTALL_HINT.format(exc=exc)) from exc
+    return TransferEngine
+
+
+class MooncakeTransferEngine:
+    """One engine per worker process, P2P handshake mode (no metadata server)."""
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
+                 max_inflight: int = 512):
+        self._engine = _engine_class()()
+        self.host = host
+        self.max_inflight = max_inflight
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise TransferError("initialize", rc, f"host={host} protocol={protocol} device={device_name!r}")
+        self._registered: list[int] = []
+        # One lock per peer bounds what this process queues towards it to ``max_inflight``.
+        self._peer_locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._closed = False
+
+    @property
+    def rpc_address(self) -> str:
+        return f"{self.host}:{self._engine.get_rpc_port()}"
+
+    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+        """Register (address, length) regions (e.g. each layer's KV tensor) for remote access."""
+        if not regions:
+            return
+        addrs, lengths = [a for a, _ in regions], [n for _, n in regions]
+        rc = self._engine.batch_register_memory(addrs, lengths)
+        if rc != 0:
+            raise TransferError("register_memory", rc, f"{len(regions)} regions")
+        self._registered.extend(addrs)
+
+    def register_tensors(self, tensors: Sequence[object]) -> None:
+        self.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
+
+    def _peer_lock(self, peer: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._peer_locks.setdefault(peer, threading.Lock())
+
+    def read_blocks(
+        self,
+        peer: str,
+        local_addrs: Sequence[int],
+        remote_addrs: Sequence[int],
+        lengths: Sequence[int],
+        deadline: float | None = None,
+        on_chunk: "callable | None" = None,
+    ) -> int:
+        """Read ``remote -> local`` in chunks of at most ``max_inflight`` requests; returns bytes.
+
+        ``deadline`` (time.monotonic) is checked between chunks; ``on_chunk()`` runs after each chunk
+        (lease renewal). Raises TransferError on the first failed chunk.
+        """
+        n = len(lengths)
+        if not (len(local_addrs) == len(remote_addrs) == n):
+            raise ValueError("read_blocks: address and length lists differ in size")
+        total = 0
+        lock = self._peer_lock(peer)
+        for start in range(0, n, self.max_inflight):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransferError("batch_transfer_sync_read", -1, f"deadline passed after {start}/{n} reads from {peer}")
+            end = min(n, start + self.max_inflight)
+            with lock:
+                rc = self._engine.batch_transfer_sync_read(
+                    peer, list(local_addrs[start:end]), list(remote_addrs[start:end]), list(lengths[start:end])
+                )
+            if rc != 0:
+                raise TransferError("batch_transfer_sync_read", rc, f"{end - start} reads from {peer}")
+            total += sum(lengths[start:end])
+            if on_chunk is not None:
+                on_chunk()
+        return total
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._registered:
+            rc = self._engine.batch_unregister_memory(self._registered)
+            if rc != 0:
+                logger.warning("Mooncake: unregister_memory returned %d", rc)
+            self._registered = []

@@ -1,0 +1,475 @@
+"""Worker-side logic of MooncakeConnectorV1 (one per worker process, owns the KV tensors).
+
+Prefill rank: registers its KV cache with the TransferEngine, answers the side channel (handshake,
+pull leases, DONE, FreeNow) and keeps finished requests' blocks in a ``DelayedFreeTracker`` until
+every expected reader is done, the hold expires, or the decode says nobody will read them.
+
+Decode rank: pulls each request's blocks on a thread pool (plan from ``pull_plan``), with a
+deadline; a failure marks the request's blocks (all groups) as load errors so vLLM's
+``kv_load_failure_policy`` decides, and the request is reported finished either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+
+from kv_common import side_channel
+from kv_common.delayed_free import DelayedFreeTracker
+from kv_common.failure_ledger import FailureLedger
+from kv_common.stats import TransferStatsBase
+from kv_mooncake import protocol as P
+from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
+from kv_mooncake.pull_plan import (
+    DecodeLayout,
+    DecodeRank,
+    PrefillLayout,
+    PrefillRank,
+    plan_pulls,
+    readers_per_prefill_rank,
+    request_seed,
+)
+
+logger = logging.getLogger(__name__)
+
+_RECENT = 4096  # remembered freed / early-signalled requests (bounded)
+
+
+class PullFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalCache:
+    """This rank's registered KV cache, as the pull arithmetic needs it."""
+
+    layer_names: list[str]
+    base_addresses: list[int]
+    block_bytes: list[int]
+    num_blocks: int
+    heads_on_rank: int
+
+
+def describe_kv_caches(kv_caches: dict[str, Any]) -> tuple[LocalCache, dict[str, int]]:
+    """CPU layout per layer: ``[num_blocks, heads, block_size, 2*head_size]``, contiguous."""
+    names = list(kv_caches)
+    if not names:
+        raise ValueError("MooncakeConnectorV1: no KV cache tensors to register")
+    first = kv_caches[names[0]]
+    if first.dim() != 4:
+        raise ValueError(
+            f"MooncakeConnectorV1: unsupported KV cache shape {tuple(first.shape)} for layer {names[0]} "
+            "(expected [num_blocks, kv_heads, block_size, 2*head_size])"
+        )
+    for name in names:
+        t = kv_caches[name]
+        if not t.is_contiguous() or tuple(t.shape) != tuple(first.shape):
+            raise ValueError(f"MooncakeConnectorV1: layer {name} is not contiguous or differs in shape")
+    num_blocks, heads, block_size, two_head = (int(x) for x in first.shape)
+    cache = LocalCache(
+        layer_names=names,
+        base_addresses=[int(kv_caches[n].data_ptr()) for n in names],
+        block_bytes=[int(kv_caches[n][0].numel() * kv_caches[n].element_size()) for n in names],
+        num_blocks=num_blocks,
+        heads_on_rank=heads,
+    )
+    return cache, {"block_size": block_size, "head_size": two_head // 2, "num_layers": len(names)}
+
+
+class MooncakeWorker:
+    def __init__(
+        self,
+        config: MooncakeConfig,
+        *,
+        engine_id: str,
+        is_producer: bool,
+        is_consumer: bool,
+        side_channel_port: int,
+        prefill_rank: PrefillRank = PrefillRank(0, 0),
+        decode_rank: DecodeRank = DecodeRank(0, 0),
+        decode_layout: DecodeLayout = DecodeLayout(1),
+        prefill_layout: PrefillLayout | None = None,
+        total_kv_heads: int = 1,
+        use_mla: bool = False,
+        compatibility_base: dict[str, Any] | None = None,
+        engine_factory: Callable[..., Any] | None = None,
+    ):
+        self.config = config
+        self.engine_id = engine_id
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self.side_channel_port = side_channel_port  # this instance's base (DP rank included)
+        self.prefill_rank, self.decode_rank = prefill_rank, decode_rank
+        self.decode_layout = decode_layout
+        self.prefill_layout = prefill_layout or PrefillLayout(tp_size=1, total_kv_heads=total_kv_heads, use_mla=use_mla)
+        self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
+        self._compat_base = dict(compatibility_base or {})
+        self._engine_factory = engine_factory
+        self.reader_id = f"{engine_id}:{decode_rank.tp_rank}:{decode_rank.dcp_rank}"
+
+        self.stats = TransferStatsBase()
+        self.ledger = FailureLedger()
+        self._lock = threading.Lock()
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._held_blocks: dict[str, int] = {}
+        self._expected_known: set[str] = set()
+        self._recently_freed: OrderedDict[str, str] = OrderedDict()
+        self._early_done: dict[str, set[str]] = {}
+        self._early_free: OrderedDict[str, None] = OrderedDict()
+        self._pending_pulls: set[str] = set()
+        self._handshakes: dict[tuple[str, str], P.HandshakeReply] = {}
+        self.tracker = DelayedFreeTracker(self._on_free)
+
+        self.cache: LocalCache | None = None
+        self.compatibility: P.Compatibility | None = None
+        self.te: Any = None
+        self.server: side_channel.SideChannelServer | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # ---- setup -------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        cache, shape = describe_kv_caches(kv_caches)
+        first = next(iter(kv_caches.values()))
+        self.register_cache(cache, shape, dtype=str(first.dtype).removeprefix("torch."))
+
+    def register_cache(self, cache: LocalCache, shape: dict[str, int], dtype: str) -> None:
+        """Register raw regions (tests and benchmarks use this without torch)."""
+        self.cache = cache
+        self.compatibility = P.Compatibility(
+            model=str(self._compat_base.get("model", "")),
+            dtype=dtype,
+            block_size=shape["block_size"],
+            head_size=shape["head_size"],
+            num_layers=shape["num_layers"],
+            total_kv_heads=1 if self.use_mla else self.total_kv_heads,
+            use_mla=self.use_mla,
+        )
+        if self._engine_factory is not None:
+            self.te = self._engine_factory()
+        else:
+            from kv_mooncake.transfer_engine import MooncakeTransferEngine
+
+            self.te = MooncakeTransferEngine(
+                self.config.te_host or self.config.side_channel_host,
+                self.config.protocol,
+                self.config.device_name,
+                self.config.max_inflight_transfers,
+            )
+        self.te.register([(a, b * cache.num_blocks) for a, b in zip(cache.base_addresses, cache.block_bytes)])
+        if self.is_producer:
+            port = self.side_channel_port + self.prefill_rank.index(self.prefill_layout)
+            self.server = side_channel.SideChannelServer(
+                self.config.side_channel_host, port, self.handle, P.REQUEST_TYPES,
+                self.config.max_message_bytes, name=f"mooncake-side-channel:{port}",
+            ).start()
+            logger.info("MooncakeConnectorV1 prefill rank %s: side channel %s, TE %s",
+                        self.prefill_rank, self.server.address, self.te.rpc_address)
+        if self.is_consumer:
+            self._pool = ThreadPoolExecutor(self.config.num_pull_threads, thread_name_prefix="mooncake-pull")
+
+    # ---- per step ----------------------------------------------------------------------------
+    def start_step(self, step: MooncakeStep) -> None:
+        for hold in step.holds:
+            self._hold(hold.request_id, hold.num_blocks)
+        for source in step.frees:
+            self._submit(self._tell_free, source)
+        for pull in step.pulls:
+            with self._lock:
+                self._pending_pulls.add(pull.request_id)
+            self._submit(self._pull, pull)
+
+    def _submit(self, fn: Callable, arg: Any) -> None:
+        if self._pool is None:  # kv_producer only: still answer the protocol, inline
+            fn(arg)
+        else:
+            self._pool.submit(fn, arg)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self.tracker.expire()
+        with self._lock:
+            sending, self._finished_sending = self._finished_sending, set()
+            recving, self._finished_recving = self._finished_recving, set()
+        return sending or None, recving or None
+
+    def leak_report(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "held_blocks": sum(self._held_blocks.values()),
+                "held_requests": len(self._held_blocks),
+                "pending_pulls": len(self._pending_pulls),
+            }
+
+    # ---- prefill: holds and the side channel --------------------------------------------------
+    def _hold(self, request_id: str, num_blocks: int) -> None:
+        with self._lock:
+            self._held_blocks[request_id] = num_blocks
+            early_free = self._early_free.pop(request_id, 0) is None
+            early_done = self._early_done.pop(request_id, set())
+        self.tracker.hold(request_id, 1, self.config.hold_timeout_s)
+        for reader in early_done:
+            self.tracker.done(request_id, reader)
+        if early_free:
+            self.tracker.abort(request_id)
+
+    def _on_free(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._held_blocks.pop(request_id, None)
+            self._expected_known.discard(request_id)
+            self._finished_sending.add(request_id)
+            self._recently_freed[request_id] = reason
+            while len(self._recently_freed) > _RECENT:
+                self._recently_freed.popitem(last=False)
+        if reason == "expired":
+            self.stats.incr("expired_holds")
+        logger.debug("MooncakeConnectorV1: request %s freed (%s)", request_id, reason)
+
+    def _learn_expected(self, request_id: str, expected: int) -> None:
+        """The first reader tells how many readers to wait for (the prefill cannot know it earlier)."""
+        with self._lock:
+            if request_id in self._expected_known or request_id not in self._held_blocks:
+                return
+            self._expected_known.add(request_id)
+        if expected > 1 and request_id in self.tracker:
+            self.tracker.hold(request_id, expected, self.config.hold_timeout_s)
+
+    def _not_held(self, request_id: str) -> P.Refused:
+        with self._lock:
+            reason = self._recently_freed.get(request_id)
+        if reason is not None:
+            return P.Refused(reason=f"request {request_id} already freed ({reason})")
+        return P.Refused(reason=f"request {request_id} not held (yet)", retry=True)
+
+    def handle(self, message: msgspec.Struct) -> msgspec.Struct:
+        if isinstance(message, P.Handshake):
+            return self._handshake_reply(message)
+        if isinstance(message, P.PullStarted):
+            self._learn_expected(message.request_id, message.expected_readers)
+            if self.tracker.begin_read(message.request_id, message.reader_id, self.config.lease_s):
+                return P.Ack()
+            return self._not_held(message.request_id)
+        if isinstance(message, P.LeaseRenew):
+            if self.tracker.renew(message.request_id, self.config.lease_s, message.reader_id):
+                return P.Ack()
+            return self._not_held(message.request_id)
+        if isinstance(message, P.PullDone):
+            self._learn_expected(message.request_id, message.expected_readers)
+            with self._lock:
+                held = message.request_id in self._held_blocks
+                if not held and message.request_id not in self._recently_freed:
+                    self._early_done.setdefault(message.request_id, set()).add(message.reader_id)
+                    while len(self._early_done) > _RECENT:
+                        self._early_done.pop(next(iter(self._early_done)))
+            if held:
+                self.tracker.done(message.request_id, message.reader_id)
+            return P.Ack()
+        if isinstance(message, P.FreeNow):
+            with self._lock:
+                held = message.request_id in self._held_blocks
+                if not held and message.request_id not in self._recently_freed:
+                    self._early_free[message.request_id] = None
+                    while len(self._early_free) > _RECENT:
+                        self._early_free.popitem(last=False)
+            if held:
+                self.tracker.abort(message.request_id)
+            return P.Ack()
+        if isinstance(message, P.LeakQuery):
+            r = self.leak_report()
+            return P.LeakReport(held_blocks=r["held_blocks"], held_requests=r["held_requests"],
+                                pending_pulls=r["pending_pulls"])
+        return P.Refused(reason=f"unexpected message {type(message).__name__}")
+
+    def _handshake_reply(self, message: P.Handshake) -> msgspec.Struct:
+        if self.cache is None or self.compatibility is None:
+            return P.Refused(reason="KV cache not registered yet", retry=True)
+        if message.engine_id != self.engine_id:
+            return P.Refused(reason=f"engine id {message.engine_id!r} vs {self.engine_id!r} (prefill restarted?)")
+        diff = message.compatibility.differences(self.compatibility)
+        if diff:
+            return P.Refused(reason="incompatible KV caches: " + "; ".join(diff))
+        return P.HandshakeReply(
+            engine_id=self.engine_id,
+            te_address=self.te.rpc_address,
+            layer_names=self.cache.layer_names,
+            base_addresses=self.cache.base_addresses,
+            block_bytes=self.cache.block_bytes,
+            num_blocks=self.cache.num_blocks,
+            heads_on_rank=self.cache.heads_on_rank,
+            compatibility=self.compatibility,
+        )
+
+    # ---- decode: pulls -----------------------------------------------------------------------
+    def _request(self, address: str, message: msgspec.Struct, timeout_s: float) -> msgspec.Struct:
+        return side_channel.request(address, message, P.REPLY_TYPES, max(0.05, timeout_s),
+                                    self.config.max_message_bytes)
+
+    def _peer_address(self, source: RemoteSource, rank: PrefillRank, layout: PrefillLayout) -> str:
+        return f"{source.host}:{source.port + rank.index(layout)}"
+
+    def _handshake(self, address: str, engine_id: str, deadline: float) -> P.HandshakeReply:
+        key = (address, engine_id)
+        cached = self._handshakes.get(key)
+        if cached is not None:
+            return cached
+        assert self.compatibility is not None
+        msg = P.Handshake(engine_id=engine_id, compatibility=self.compatibility, reader_id=self.reader_id)
+        reply = self._until(deadline, lambda left: self._request(address, msg, min(left, self.config.handshake_timeout_s)))
+        if not isinstance(reply, P.HandshakeReply):
+            raise PullFailed(f"handshake with {address} failed: {getattr(reply, 'reason', reply)}")
+        if reply.heads_on_rank < 1 or len(reply.layer_names) != len(reply.base_addresses) or \
+                len(reply.block_bytes) != len(reply.layer_names):
+            raise PullFailed(f"malformed handshake reply from {address}")
+        self._handshakes[key] = reply
+        return reply
+
+    def _until(self, deadline: float, call: Callable[[float], msgspec.Struct]) -> msgspec.Struct:
+        """Repeat ``call`` while the peer answers Refused(retry=True), until the deadline."""
+        delay = 0.005
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PullFailed("deadline passed")
+            reply = call(left)
+            if not (isinstance(reply, P.Refused) and reply.retry):
+                return reply
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.1)
+
+    def _layouts(self, source: RemoteSource) -> PrefillLayout:
+        return PrefillLayout(tp_size=source.tp_size, total_kv_heads=self.total_kv_heads,
+                             pcp_size=source.pcp_size, dcp_size=source.dcp_size, use_mla=self.use_mla)
+
+    def _pull(self, req: PullRequest) -> None:
+        start = time.monotonic()
+        deadline = start + self.config.pull_timeout_s
+        source = req.source
+        nbytes, error = 0, None
+        prefill = self._layouts(source)
+        seed = request_seed(source.request_id)
+        counts: dict[PrefillRank, int] = {}
+        pulls: list[Any] = []
+        try:
+            counts = readers_per_prefill_rank(prefill, self.decode_layout, req.num_blocks, req.skip_blocks, seed)
+            pulls = plan_pulls(prefill, self.decode_layout, self.decode_rank, req.num_blocks, req.skip_blocks, seed)
+            for pull in pulls:
+                nbytes += self._pull_from_rank(req, pull, prefill, counts[pull.source], deadline)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
+            error = exc
+        finally:
+            # Always DONE, also after a failure: the prefill must not wait for us until expiry.
+            for rank, n in counts.items():
+                if n == 0:
+                    if self.decode_rank == DecodeRank(0, 0):  # one decode rank tells the idle ranks
+                        self._notify(self._peer_address(source, rank, prefill), P.FreeNow(request_id=source.request_id, reader_id=self.reader_id))
+            for pull in pulls:
+                self._notify(self._peer_address(source, pull.source, prefill),
+                             P.PullDone(request_id=source.request_id, reader_id=self.reader_id,
+                                        ok=error is None, expected_readers=counts[pull.source]))
+            if error is None:
+                self.stats.record_transfer(nbytes, time.monotonic() - start)
+            else:
+                logger.warning("MooncakeConnectorV1: pull of request %s (remote %s) failed after %.2fs: %s",
+                               req.request_id, source.request_id, time.monotonic() - start, error)
+                self.stats.record_failure("timeout" if "deadline" in str(error) else "pull")
+                self.ledger.record_failed_load(
+                    req.request_id, [g[req.skip_blocks:req.num_blocks] for g in req.local_block_ids]
+                )
+                self._handshakes = {k: v for k, v in self._handshakes.items() if k[1] != source.engine_id}
+            with self._lock:
+                self._pending_pulls.discard(req.request_id)
+                self._finished_recving.add(req.request_id)
+
+    def _notify(self, address: str, message: msgspec.Struct) -> None:
+        try:
+            self._request(address, message, self.config.handshake_timeout_s)
+        except side_channel.SideChannelError as exc:
+            logger.warning("MooncakeConnectorV1: %s to %s not delivered: %s", type(message).__name__, address, exc)
+
+    def _pull_from_rank(self, req: PullRequest, pull: Any, prefill: PrefillLayout, expected: int, deadline: float) -> int:
+        source = req.source
+        address = self._peer_address(source, pull.source, prefill)
+        hs = self._handshake(address, source.engine_id, deadline)
+        started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id, expected_readers=expected)
+        reply = self._until(deadline, lambda left: self._request(address, started, min(left, self.config.handshake_timeout_s)))
+        if not isinstance(reply, P.Ack):
+            raise PullFailed(f"{address} refused the pull: {getattr(reply, 'reason', reply)}")
+        local, remote, lengths = self._addresses(req, pull, hs)
+        renew = P.LeaseRenew(request_id=source.request_id, reader_id=self.reader_id)
+        last_renew = [time.monotonic()]
+
+        def on_chunk() -> None:  # keep the lease alive during long pulls
+            if time.monotonic() - last_renew[0] > self.config.lease_s / 3:
+                last_renew[0] = time.monotonic()
+                self._request(address, renew, self.config.handshake_timeout_s)
+
+        return self.te.read_blocks(hs.te_address, local, remote, lengths, deadline, on_chunk)
+
+    def _addresses(self, req: PullRequest, pull: Any, hs: P.HandshakeReply) -> tuple[list[int], list[int], list[int]]:
+        assert self.cache is not None
+        cache = self.cache
+        remote_index = {name: i for i, name in enumerate(hs.layer_names)}
+        local_ids = req.local_block_ids[0]
+        remote_ids = req.source.block_ids
+        local: list[int] = []
+        remote: list[int] = []
+        lengths: list[int] = []
+        for li, name in enumerate(cache.layer_names):
+            ri = remote_index.get(name)
+            if ri is None:
+                raise PullFailed(f"layer {name} missing on the prefill")
+            l_head = cache.block_bytes[li] // cache.heads_on_rank
+            r_head = hs.block_bytes[ri] // hs.heads_on_rank
+            if l_head != r_head:
+                raise PullFailed(f"layer {name}: {l_head} bytes per head here vs {r_head} on the prefill")
+            for src_pos, dst_pos in pull.blocks:
+                if src_pos >= len(remote_ids) or dst_pos >= len(local_ids):
+                    raise PullFailed(f"block position {src_pos}/{dst_pos} outside the request's blocks")
+                r_block, l_block = remote_ids[src_pos], local_ids[dst_pos]
+                if not (0 <= r_block < hs.num_blocks and 0 <= l_block < cache.num_blocks):
+                    raise PullFailed(f"block id {r_block}/{l_block} outside the KV cache")
+                for span in pull.spans:
+                    r = hs.base_addresses[ri] + r_block * hs.block_bytes[ri] + span.src_head * r_head
+                    loc = cache.base_addresses[li] + l_block * cache.block_bytes[li] + span.dst_head * l_head
+                    n = span.num_heads * l_head
+                    if lengths and remote[-1] + lengths[-1] == r and local[-1] + lengths[-1] == loc:
+                        lengths[-1] += n  # contiguous on both sides: one bigger transfer
+                    else:
+                        remote.append(r)
+                        local.append(loc)
+                        lengths.append(n)
+        return local, remote, lengths
+
+    def _tell_free(self, source: RemoteSource) -> None:
+        """Nothing will be pulled for this request (aborted, or a full local hit): free it there."""
+        prefill = self._layouts(source)
+        if self.decode_rank != DecodeRank(0, 0):
+            return
+        for rank in prefill.ranks():
+            self._notify(self._peer_address(source, rank, prefill),
+                         P.FreeNow(request_id=source.request_id, reader_id=self.reader_id))
+
+    # ---- shutdown ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.server is not None:
+            self.server.close()
+        if self.te is not None:
+            self.te.close()
+
+def query_leaks(address: str, timeout_s: float = 2.0) -> dict[str, int]:
+    reply = side_channel.request(address, P.LeakQuery(), P.REPLY_TYPES, timeout_s)
+    if not isinstance(reply, P.LeakReport):
+        raise RuntimeError(f"unexpected reply {reply!r}")
+    return msgspec.structs.asdict(reply)

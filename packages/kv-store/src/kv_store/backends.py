@@ -1,0 +1,60 @@
+"""Backend selection: ``backend`` names an entry point in the ``kv_store.backends`` group.
+
+A factory is ``make(config: StoreConfig, role) -> kv_common.backend.Backend``. Third parties add
+their own with ``[project.entry-points."kv_store.backends"] mine = "pkg.mod:make"``.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as importlib_metadata
+from typing import Any, Callable
+
+from kv_common.backend import Backend
+from kv_store.config import StoreConfig, default_spill_dir, resolve_mooncake
+
+GROUP = "kv_store.backends"
+
+
+def available_backends() -> dict[str, str]:
+    return {ep.name: ep.value for ep in importlib_metadata.entry_points(group=GROUP)}
+
+
+def resolve_factory(name: str) -> Callable[[StoreConfig, Any], Backend]:
+    builtin = {"embedded": make_embedded_backend, "mooncake": make_mooncake_backend}
+    for ep in importlib_metadata.entry_points(group=GROUP):
+        if ep.name == name:
+            return ep.load()
+    if name in builtin:  # not installed with entry points (e.g. run from a source tree)
+        return builtin[name]
+    known = sorted(set(available_backends()) | set(builtin))
+    raise ValueError(f"AscendStoreConnector: unknown backend {name!r} (known: {', '.join(known)})")
+
+
+def make_backend(config: StoreConfig, role: Any = None) -> Backend:
+    return resolve_factory(config.backend)(config, role)
+
+
+def make_embedded_backend(config: StoreConfig, role: Any = None) -> Backend:
+    from kv_common.embedded_backend import EmbeddedBackend
+
+    opts = config.embedded
+    spill_dir = opts.spill_dir or default_spill_dir()
+    return EmbeddedBackend(
+        capacity_bytes=opts.capacity_bytes,
+        spill_dir=spill_dir,
+        write_through=opts.write_through,
+        spill_capacity_bytes=opts.spill_capacity_bytes,
+    )
+
+
+def make_mooncake_backend(config: StoreConfig, role: Any = None) -> Backend:
+    from kv_store.mooncake_backend import MooncakeBackend
+
+    options = resolve_mooncake(config.mooncake)
+    if role is not None and getattr(role, "name", "") == "SCHEDULER":
+        # The scheduler only asks "exists?": it contributes no memory to the pool.
+        options["global_segment_size"] = 0
+        options["local_buffer_size"] = min(options["local_buffer_size"], 16 << 20)
+    return MooncakeBackend(
+        options, setup_retries=config.mooncake.setup_retries, setup_timeout_s=config.mooncake.setup_timeout_s
+    )

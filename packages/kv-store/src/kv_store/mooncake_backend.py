@@ -1,0 +1,177 @@
+"""``Backend`` over a real Mooncake Store (``MooncakeDistributedStore``, zero-copy batch API).
+
+Mooncake reports errors as return codes and crashes (SIGSEGV) when called before ``setup()``
+succeeded; this wrapper turns codes into per-key results once, here:
+
+- missing key (-704, or ``b''``) and any other negative code -> -1 (a miss);
+- master gone (-900 RPC_FAIL) -> misses / failed puts, never an exception or a crash;
+- every call is refused (misses) unless ``setup()`` returned 0.
+
+Buffers given to ``batch_put`` / ``batch_get_into`` must lie inside a buffer announced with
+``register_buffer`` for the zero-copy path; anything else is copied through a bytes call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import Any, Sequence
+
+from kv_common.backend import Backend, BackendError
+
+logger = logging.getLogger(__name__)
+
+OBJECT_NOT_FOUND = -704
+RPC_FAIL = -900
+
+
+def buffer_address(buffer: memoryview) -> int:
+    view = memoryview(buffer)
+    if view.readonly:
+        import numpy as np
+
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class MooncakeBackend(Backend):
+    name = "mooncake"
+
+    def __init__(self, options: dict[str, Any], setup_retries: int | None = 3, setup_timeout_s: float = 60.0) -> None:
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        if setup_retries is not None:
+            # Mooncake retries a missing master 20 times (~90 s) by default.
+            os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(setup_retries))
+        from mooncake.store import MooncakeDistributedStore
+
+        self.options = dict(options)
+        self._store = MooncakeDistributedStore()
+        self._ready = False
+        self._lock = threading.Lock()
+        self._registered: list[tuple[int, int]] = []  # (address, size)
+        self._warned: set[str] = set()
+        result: dict[str, int] = {}
+
+        def _setup() -> None:
+            result["rc"] = self._store.setup(
+                options["local_hostname"], options["metadata_server"], int(options["global_segment_size"]),
+                int(options["local_buffer_size"]), options["protocol"], options.get("device_name", ""),
+                options["master_server_address"],
+            )
+
+        thread = threading.Thread(target=_setup, name="mooncake-setup", daemon=True)
+        thread.start()
+        thread.join(setup_timeout_s)
+        if thread.is_alive():
+            raise BackendError(self.name, "setup", None, f"no answer from master {options['master_server_address']} "
+                               f"within {setup_timeout_s}s")
+        rc = result.get("rc", -1)
+        if rc != 0:
+            raise BackendError(self.name, "setup", rc, f"master {options['master_server_address']}")
+        self._ready = True
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _warn_once(self, what: str, code: int) -> None:
+        tag = f"{what}:{code}"
+        if tag not in self._warned:
+            self._warned.add(tag)
+            hint = " (master unreachable)" if code == RPC_FAIL else ""
+            logger.warning("mooncake %s returned %d%s; treated as a miss", what, code, hint)
+
+    def _is_registered(self, address: int, size: int) -> bool:
+        return any(start <= address and address + size <= start + length for start, length in self._registered)
+
+    # ---- Backend ----------------------------------------------------------------------------
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        if not self._ready or not keys:
+            return [False] * len(keys)
+        codes = self._store.batch_is_exist(list(keys))
+        out = []
+        for code in codes:
+            if code < 0:
+                self._warn_once("batch_is_exist", code)
+            out.append(code == 1)
+        return out
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[memoryview | bytes]) -> list[bool]:
+        if not self._ready or not keys:
+            return [False] * len(keys)
+        views = [memoryview(v).cast("B") for v in values]
+        addresses = [buffer_address(v) for v in views]
+        if all(self._is_registered(a, len(v)) for a, v in zip(addresses, views)):
+            codes = self._store.batch_put_from(list(keys), addresses, [len(v) for v in views])
+        else:
+            codes = [self._store.put(k, bytes(v)) for k, v in zip(keys, views)]
+        out = []
+        for code in codes:
+            if code < 0:
+                self._warn_once("put", code)
+            out.append(code == 0)
+        return out
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        if not self._ready or not keys:
+            return [-1] * len(keys)
+        views = [memoryview(b).cast("B") for b in buffers]
+        addresses = [buffer_address(v) for v in views]
+        if all(self._is_registered(a, len(v)) for a, v in zip(addresses, views)):
+            # Mooncake checks the destination size (-600 when the value is larger): no overrun.
+            codes = self._store.batch_get_into(list(keys), addresses, [len(v) for v in views])
+        else:
+            codes = []
+            for key, view in zip(keys, views):
+                data = self._store.get(key)
+                if not data or len(data) > len(view):
+                    codes.append(OBJECT_NOT_FOUND if not data else -600)
+                    continue
+                view[: len(data)] = data
+                codes.append(len(data))
+        out = []
+        for code in codes:
+            if code < 0:
+                if code != OBJECT_NOT_FOUND:
+                    self._warn_once("get", code)
+                out.append(-1)
+            else:
+                out.append(int(code))
+        return out
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not self._ready:
+            return [None] * len(keys)
+        return [self._store.get(k) or None for k in keys]
+
+    def batch_remove(self, keys: Sequence[str]) -> None:
+        if self._ready and keys:
+            self._store.batch_remove(list(keys))
+
+    def register_buffer(self, buffer: memoryview) -> None:
+        view = memoryview(buffer).cast("B")
+        address, size = buffer_address(view), len(view)
+        if not self._ready:
+            return
+        rc = self._store.register_buffer(address, size)
+        if rc != 0:
+            raise BackendError(self.name, "register_buffer", rc)
+        with self._lock:
+            self._registered.append((address, size))
+
+    def unregister_buffer(self, buffer: memoryview) -> None:
+        view = memoryview(buffer).cast("B")
+        address = buffer_address(view)
+        with self._lock:
+            entry = next((r for r in self._registered if r[0] == address), None)
+            if entry is None or not self._ready:
+                return
+            self._registered.remove(entry)
+        self._store.unregister_buffer(address)
+
+    def close(self) -> None:
+        if self._ready:
+            self._ready = False
+            try:
+                self._store.close()
+            except Exception:  # noqa: BLE001
+                logger.debug("mooncake close failed", exc_info=True)

@@ -1,0 +1,62 @@
+"""The shared Backend contract against a real mooncake_master, plus Mooncake's failure modes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("mooncake.store")
+
+from conftest import mooncake_options  # noqa: E402
+from kv_common.backend import BackendError  # noqa: E402
+from kv_common.store_connector.backend_contract import BackendContract  # noqa: E402
+from kv_store.config import MooncakeOptions, resolve_mooncake  # noqa: E402
+from kv_store.mooncake_backend import MooncakeBackend  # noqa: E402
+
+
+@pytest.fixture
+def backend(mooncake_master):
+    b = MooncakeBackend(mooncake_options(mooncake_master.address))
+    yield b
+    b.close()
+
+
+class TestMooncakeContract(BackendContract):
+    pass
+
+
+def test_master_killed_gives_misses_not_crashes(mooncake_master):
+    b = MooncakeBackend(mooncake_options(mooncake_master.address))
+    raw = bytearray(8192)
+    b.register_buffer(memoryview(raw))
+    view = memoryview(raw)
+    assert b.batch_put(["k"], [view[:4096]]) == [True]
+    mooncake_master.kill()
+    assert b.batch_exists(["k", "x"]) == [False, False]
+    assert b.batch_get_into(["k"], [view[4096:]]) == [-1]
+    assert b.batch_put(["k2"], [view[:4096]]) == [False]
+    b.close()
+
+
+def test_setup_without_master_fails_fast():
+    from conftest import free_port
+
+    with pytest.raises(BackendError, match="setup"):
+        MooncakeBackend(mooncake_options(f"127.0.0.1:{free_port()}"), setup_retries=1, setup_timeout_s=30)
+
+
+def test_mooncake_config_path_json_and_inline_override(tmp_path):
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({
+        "local_hostname": "10.0.0.1", "metadata_server": "P2PHANDSHAKE", "master_server_address": "10.0.0.2:50051",
+        "global_segment_size": "64mb", "local_buffer_size": 1048576, "protocol": "tcp", "device_name": "",
+    }))
+    resolved = resolve_mooncake(MooncakeOptions(config_path=str(path), local_hostname="127.0.0.1"))
+    assert resolved["master_server_address"] == "10.0.0.2:50051"
+    assert resolved["local_hostname"] == "127.0.0.1"
+    assert resolved["global_segment_size"] == 64 << 20
+    env = {"MOONCAKE_CONFIG_PATH": str(path)}
+    assert resolve_mooncake(MooncakeOptions(), environ=env)["local_buffer_size"] == 1 << 20
+    with pytest.raises(ValueError, match="master"):
+        resolve_mooncake(MooncakeOptions(), environ={})
