@@ -53,6 +53,16 @@ def make_prompts(n: int, block_size: int = 128, seed: int = 0) -> list[list[int]
     return prompts
 
 
+def kv_bytes_per_token(model_dir: str) -> int:
+    """K and V of every layer for one token (float32), from the model's config.json."""
+    import json
+
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * heads * head_dim * 4
+
+
 def connector_config(role: str, port: int, **extra: object) -> dict:
     return {
         "kv_connector": "MooncakeConnectorV1",
@@ -82,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     decode = EngineProcess(model, kv_transfer_config=connector_config("kv_consumer", args.port + 100),
                            cpu_bind=d_bind, env=_device_env("DECODE_DEVICE_ID"), name="decode", **common)
     t0 = time.perf_counter()
-    with prefill, decode:  # both start in parallel
+    prefill.start(wait=False)
+    decode.start(wait=False)  # both engines start in parallel
+    with prefill, decode:
         print(f"engines ready in {time.perf_counter() - t0:.1f}s (prefill cores {p_bind}, decode cores {d_bind})")
         pre = prefill.generate(prompts, [{"kv_transfer_params": {"do_remote_decode": True}}] * len(prompts),
                                max_tokens=1)
@@ -90,14 +102,18 @@ def main(argv: list[str] | None = None) -> int:
         if not all(params):
             print("prefill returned no kv_transfer_params: is MooncakeConnectorV1 installed?", file=sys.stderr)
             return 2
-        dec = decode.generate(prompts, [{"kv_transfer_params": p} for p in params])
+        # vLLM copies the prefill's own cache hits ("remote_prefill_cached_tokens") into the decode's
+        # num_cached_tokens; drop it so the decode reports what it really loaded.
+        forward = [{k: v for k, v in p.items() if k != "remote_prefill_cached_tokens"} for p in params]
+        t1 = time.perf_counter()
+        dec = decode.generate(prompts, [{"kv_transfer_params": p} for p in forward])
+        t_dec = time.perf_counter() - t1
         for i, (p, toks, cached) in enumerate(zip(prompts, dec.token_ids, dec.num_cached_tokens)):
             print(f"prompt {i}: {len(p)} tokens, {cached} loaded from the prefill, output {toks}")
-        moved = sum(p.get("remote_num_tokens", 0) for p in params)
-        print(f"prefill {pre.wall_s:.2f}s; decode (pull + {args.max_tokens} tokens) {dec.wall_s:.2f}s; "
-              f"{sum(dec.num_cached_tokens)} tokens' KV pulled of {moved} prefilled")
-        stats = decode.generate([[1, 2, 3]], max_tokens=1)  # one more step flushes the stats line
-        del stats
+        pulled_tokens = sum(dec.num_cached_tokens)
+        nbytes = pulled_tokens * kv_bytes_per_token(model)
+        print(f"prefill {pre.wall_s:.2f}s; decode (pull + {args.max_tokens} tokens) {dec.wall_s:.2f}s "
+              f"({t_dec:.2f}s seen by the client); pulled {pulled_tokens} tokens' KV = {nbytes / 1e6:.1f} MB")
     print(f"decode log: {decode.log_path}")
     if args.no_baseline:
         return 0

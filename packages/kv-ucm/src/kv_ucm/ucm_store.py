@@ -60,6 +60,10 @@ class UcmError(BackendError):
         super().__init__("ucm", operation, CODE_UNKNOWN if code is None else code, detail)
 
 
+class _SubmitError(UcmError):
+    """UCM refused to start a task at all: a store-level problem, never a per-block miss."""
+
+
 class UcmInstallationError(ImportError):
     """``ucm`` is missing, ambiguous or shadowed by an unrelated package."""
 
@@ -331,7 +335,16 @@ class UcmStore:
         except (ValueError, KeyError, TypeError) as exc:
             raise UcmError("create", CODE_UNKNOWN, f"{name}: {exc}") from exc
         except RuntimeError as exc:
-            raise UcmError("create", _exception_code(exc), f"{name}: {exc}") from exc
+            detail = f"{name}: {exc}"
+            backends = native.get("storage_backends") or []
+            if len(backends) > 1 and _exception_code(exc) == CODE_NOT_FOUND:
+                # UCM 0.8.1 lays out the shard directories (000..fff) in the first backend
+                # only and refuses further backends that do not have them yet.
+                detail += (
+                    "; UCM needs every storage backend after the first to contain its shard "
+                    "directories already (see UCM's log for 'Failed to add storage backend')"
+                )
+            raise UcmError("create", _exception_code(exc), detail) from exc
         return cls(store, native, name)
 
     @property
@@ -411,7 +424,8 @@ class UcmStore:
         return rows
 
     def _run(self, operation: str, ids: list[bytes], shard: int, rows: list[list[int]]) -> None:
-        """Submit one task and wait for it; any UCM failure raises UcmError."""
+        """Submit one task and wait for it; any UCM failure raises UcmError (_SubmitError when
+        UCM refuses the task itself, e.g. -1 "transfer is not enable" on a lookup-only store)."""
         import numpy as np
 
         store = self.raw
@@ -420,7 +434,7 @@ class UcmStore:
         try:
             task = submit(ids, [shard] * len(ids), addrs)
         except RuntimeError as exc:
-            raise UcmError(operation, _exception_code(exc), str(exc)) from exc
+            raise _SubmitError(operation, _exception_code(exc), str(exc)) from exc
         try:
             store.wait(task)
         except RuntimeError as exc:
@@ -435,7 +449,7 @@ class UcmStore:
             self._run(operation, ids, shard, rows)
             return [True] * len(ids)
         except UcmError as exc:
-            if exc.code == CODE_UNHEALTHY:
+            if isinstance(exc, _SubmitError) or exc.code == CODE_UNHEALTHY:
                 raise
             if len(ids) == 1:
                 return [False]
@@ -446,7 +460,7 @@ class UcmStore:
                 self._run(operation, [bid], shard, [row])
                 results.append(True)
             except UcmError as exc:
-                if exc.code == CODE_UNHEALTHY:
+                if isinstance(exc, _SubmitError) or exc.code == CODE_UNHEALTHY:
                     raise
                 results.append(False)
         return results
@@ -478,9 +492,10 @@ class UcmStore:
     # -- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Release the native store (UCM joins its worker threads: about 3 s for Posix)."""
         store, self._store = self._store, None
         if store is not None:
-            # UCM's stores release their native resources when collected.
+            # UCM's stores have no close(); they release everything when collected.
             del store
 
     @property

@@ -104,6 +104,7 @@ class EngineProcess:
         collect_metrics: bool = True,
         seed: int = 0,
         start_timeout_s: float = 300.0,
+        shutdown_timeout_s: float = 30.0,
         keep_logs: bool | None = None,
         name: str = "engine",
     ) -> None:
@@ -120,7 +121,9 @@ class EngineProcess:
             "extra_llm_kwargs": extra_llm_kwargs or {},
             "collect_metrics": collect_metrics,
             "seed": seed,
+            "shutdown_timeout_s": float(shutdown_timeout_s),
         }
+        self.shutdown_timeout_s = float(shutdown_timeout_s)
         child_env = dict(os.environ)
         child_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
         child_env.update(
@@ -136,6 +139,8 @@ class EngineProcess:
                 "PYTHONPATH": _child_pythonpath(),
             }
         )
+        # Workers get time to run their connector's shutdown() before vLLM SIGTERMs them.
+        child_env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(shutdown_timeout_s)))
         child_env.update({k: str(v) for k, v in (env or {}).items()})
         self.env = child_env
         self.keep_logs = bool(os.environ.get("KV_TEST_KEEP_LOGS")) if keep_logs is None else keep_logs
@@ -209,11 +214,14 @@ class EngineProcess:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self, timeout_s: float = 30.0) -> int | None:
-        """Ask the child to stop; kill its whole process group after ``timeout_s``. Returns the exit code."""
+    def close(self, timeout_s: float | None = None) -> int | None:
+        """Ask the child to stop; kill its whole process group after ``timeout_s`` (default:
+        the engine's shutdown timeout + 30 s). Returns the child's exit code."""
         proc = self._proc
         if proc is None:
             return None
+        if timeout_s is None:
+            timeout_s = self.shutdown_timeout_s + 30.0
         deadline = time.monotonic() + timeout_s
         if proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
@@ -392,7 +400,7 @@ def run_engine_batches(
             remaining = max(1.0, deadline - time.monotonic())
             results.append(eng.generate(batch, extra, timeout_s=remaining))
     finally:
-        eng.close(timeout_s=max(5.0, min(30.0, deadline - time.monotonic())))
+        eng.close()
     total = time.perf_counter() - t0
     tail = eng.stderr_tail()
     for r in results:

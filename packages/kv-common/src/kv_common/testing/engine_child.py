@@ -94,16 +94,20 @@ def _generate(llm: Any, req: dict[str, Any], default_max_tokens: int) -> dict[st
     return res
 
 
-def _shutdown(llm: Any) -> None:
-    engine = getattr(llm, "llm_engine", None)
-    for target in (engine, getattr(engine, "engine_core", None)):
-        fn = getattr(target, "shutdown", None)
-        if callable(fn):
-            try:
-                fn()
-                return
-            except Exception:  # noqa: BLE001 - best effort; the parent kills the tree anyway
-                traceback.print_exc()
+def _shutdown(llm: Any, timeout_s: float) -> None:
+    """Graceful stop with a generous grace period, so connector ``shutdown()`` hooks run even on a
+    loaded machine (vLLM's default force-kills EngineCore after 5 s)."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    fn = getattr(client, "shutdown", None)
+    if not callable(fn):
+        return
+    try:
+        try:
+            fn(timeout=timeout_s)
+        except TypeError:
+            fn()
+    except Exception:  # noqa: BLE001 - best effort; the parent kills the tree anyway
+        traceback.print_exc()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 _send(chan, {"ok": False, "error": f"unknown op {op!r}"})
         except Exception:  # noqa: BLE001
             _send(chan, {"ok": False, "error": traceback.format_exc()})
-    _shutdown(llm)
+    _shutdown(llm, float(spec.get("shutdown_timeout_s", 30.0)))
     del llm
     _send(chan, {"event": "closed"})
     chan.close()

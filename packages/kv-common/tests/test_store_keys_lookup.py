@@ -1,0 +1,51 @@
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_common.store_connector import keys, lookup
+
+
+def test_keys_depend_on_namespace_rank_and_hash():
+    ns1 = keys.namespace({"model": "m", "dtype": "float32", "block_size": 16})
+    ns2 = keys.namespace({"model": "m", "dtype": "bfloat16", "block_size": 16})
+    assert ns1 != ns2
+    assert ns1 == keys.namespace({"block_size": 16, "dtype": "float32", "model": "m"})
+    h = b"\x01" * 32
+    assert keys.block_key(ns1, "a", h) != keys.block_key(ns2, "a", h)
+    assert keys.block_key(ns1, "a", h) != keys.block_key(ns1, "b", h)
+    assert keys.block_key(ns1, "a", h).endswith(h.hex())
+
+
+def test_mla_stores_one_copy():
+    assert keys.all_rank_tags(tp_size=4, use_mla=True) == ["mla"]
+    assert len(keys.all_rank_tags(tp_size=4, total_kv_heads=8)) == 4
+    assert len(keys.all_rank_tags(tp_size=2, dcp_size=2, total_kv_heads=8)) == 4
+
+
+@given(st.integers(1, 64), st.integers(1, 16))
+def test_head_groups_share_replicated_heads(tp_size, heads):
+    tags = [keys.rank_tag(tp_rank=r, tp_size=tp_size, total_kv_heads=heads) for r in range(tp_size)]
+    assert len(set(tags)) == min(tp_size, heads) or tp_size % heads != 0
+
+
+@given(st.lists(st.lists(st.booleans(), min_size=5, max_size=5), min_size=1, max_size=4))
+def test_leading_present_is_the_common_prefix(present):
+    n = lookup.leading_present(present)
+    assert all(all(row[:n]) for row in present)
+    assert n == 5 or not all(row[n] for row in present)
+
+
+@given(st.integers(0, 5000), st.integers(0, 400), st.sampled_from([16, 32, 128]))
+def test_loadable_blocks_leave_a_token_and_skip_partial(num_tokens, num_hashes, block_size):
+    n = lookup.loadable_blocks(num_tokens, num_hashes, block_size)
+    assert 0 <= n <= num_hashes
+    assert n * block_size < max(num_tokens, 1)
+    assert n * block_size <= num_tokens
+    if num_tokens % block_size and num_hashes >= num_tokens // block_size:
+        assert n == num_tokens // block_size  # partial last block skipped, nothing else
+
+
+def test_full_hit_keeps_last_block_to_compute():
+    assert lookup.loadable_blocks(64, 4, 16) == 3
+    assert lookup.loadable_blocks(65, 4, 16) == 4
+    assert lookup.external_tokens(16, 1, 2, 16) == 32
+    assert lookup.external_tokens(16, 1, 0, 16) == 0
