@@ -46,7 +46,8 @@ def _pytest(session: nox.Session, *args: str) -> None:
 
 
 def _install_ucm(session: nox.Session) -> None:
-    session.install("uc-manager[cu130]")
+    # UCM's store code imports torch and numpy without declaring them; PyPI's torch runs on CPU.
+    session.install("torch==2.13.0", "numpy", "pyyaml", "uc-manager[cu130]")
 
 
 @nox.session(python=PYTHONS, tags=["tests"])

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import shutil
@@ -19,8 +18,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from kv_common.testing.engine import EngineProcess
 
@@ -96,9 +96,17 @@ class MooncakeMaster:
         exe = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
         self._log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [exe, f"-rpc_port={self.port}", "-rpc_address=127.0.0.1", "-metrics_host=127.0.0.1",
-             f"-metrics_port={self.metrics_port}", "-default_kv_lease_ttl=500"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                exe,
+                f"-rpc_port={self.port}",
+                "-rpc_address=127.0.0.1",
+                "-metrics_host=127.0.0.1",
+                f"-metrics_port={self.metrics_port}",
+                "-default_kv_lease_ttl=500",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -129,11 +137,19 @@ class MooncakeMaster:
     def config_file(self, directory: str | Path, segment: str = "512mb", buffer: str = "128mb") -> str:
         """Mooncake's JSON config (vLLM's MooncakeStoreConnector reads MOONCAKE_CONFIG_PATH)."""
         path = Path(directory) / f"mooncake-{self.port}.json"
-        path.write_text(json.dumps({
-            "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
-            "device_name": "", "master_server_address": self.address,
-            "global_segment_size": segment, "local_buffer_size": buffer,
-        }))
+        path.write_text(
+            json.dumps(
+                {
+                    "local_hostname": "127.0.0.1",
+                    "metadata_server": "P2PHANDSHAKE",
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "master_server_address": self.address,
+                    "global_segment_size": segment,
+                    "local_buffer_size": buffer,
+                }
+            )
+        )
         return str(path)
 
 
@@ -156,8 +172,13 @@ def importable(connector: str) -> str | None:
     if module is None:
         return None
     code = f"import {module}, sys; cls = getattr({module}, {connector!r}, None); sys.exit(0 if cls else 3)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     if proc.returncode == 0:
         return None
     if proc.returncode == 3:
@@ -169,8 +190,11 @@ def importable(connector: str) -> str | None:
 def first_error_line(exc: BaseException, limit: int = 300) -> str:
     """The most telling line of an (engine) error: the last exception line of the child traceback."""
     text = str(exc)
-    candidates = [ln.strip() for ln in text.splitlines()
-                  if ("Error" in ln or "Exception" in ln or "error" in ln) and not ln.strip().startswith("File ")]
+    candidates = [
+        ln.strip()
+        for ln in text.splitlines()
+        if ("Error" in ln or "Exception" in ln or "error" in ln) and not ln.strip().startswith("File ")
+    ]
     line = candidates[-1] if candidates else (text.strip().splitlines() or [type(exc).__name__])[0]
     return line[:limit]
 
@@ -194,39 +218,100 @@ def connector_configs(
     offload_bytes: int = 1 << 30,
     port_base: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """(kv_transfer_config, extra env) for a row name of the benchmarks."""
+    """(kv_transfer_config, extra env) for a row name of the benchmarks.
+
+    Every config asks vLLM to recompute on a failed load (``kv_load_failure_policy``), so a failing
+    connector shows up as 0 tokens hit instead of failed requests.
+    """
     env: dict[str, str] = {"MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+    cfg, env = _connector_config(
+        name,
+        workdir=workdir,
+        master=master,
+        role=role,
+        embedded_capacity=embedded_capacity,
+        offload_bytes=offload_bytes,
+        port_base=port_base,
+        env=env,
+    )
+    cfg.setdefault("kv_load_failure_policy", "recompute")
+    return cfg, env
+
+
+def _connector_config(
+    name: str,
+    *,
+    workdir: Path,
+    master: MooncakeMaster | None,
+    role: str,
+    embedded_capacity: int,
+    offload_bytes: int,
+    port_base: int | None,
+    env: dict[str, str],
+) -> tuple[dict[str, Any], dict[str, str]]:
     if name == "kv-store embedded":
-        return {"kv_connector": "AscendStoreConnector", "kv_role": role,
-                "kv_connector_extra_config": {"backend": "embedded", "embedded": {
-                    "capacity_bytes": embedded_capacity, "spill_dir": str(workdir / "spill")}}}, env
+        return {
+            "kv_connector": "AscendStoreConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {
+                "backend": "embedded",
+                "embedded": {"capacity_bytes": embedded_capacity, "spill_dir": str(workdir / "spill")},
+            },
+        }, env
     if name == "kv-store mooncake":
         assert master is not None
-        return {"kv_connector": "AscendStoreConnector", "kv_role": role,
-                "kv_connector_extra_config": {"backend": "mooncake", "mooncake": {
-                    "master_server_address": master.address, "global_segment_size": "512mb",
-                    "local_buffer_size": "128mb", "setup_retries": 1}}}, env
+        return {
+            "kv_connector": "AscendStoreConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {
+                "backend": "mooncake",
+                "mooncake": {
+                    "master_server_address": master.address,
+                    "global_segment_size": "512mb",
+                    "local_buffer_size": "128mb",
+                    "setup_retries": 1,
+                },
+            },
+        }, env
     if name == "kv-ucm":
-        return {"kv_connector": "UCMConnector", "kv_role": role,
-                "kv_connector_extra_config": {"storage_path": str(workdir / "ucm")}}, env
+        return {
+            "kv_connector": "UCMConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"storage_path": str(workdir / "ucm")},
+        }, env
     if name == "kv-mooncake P2P":
         port = port_base or free_port()
-        return {"kv_connector": "MooncakeConnectorV1", "kv_role": role, "kv_port": port,
-                "kv_connector_extra_config": {"side_channel_port": port}}, env
+        return {
+            "kv_connector": "MooncakeConnectorV1",
+            "kv_role": role,
+            "kv_port": port,
+            "kv_connector_extra_config": {"side_channel_port": port, "pull_timeout_s": 10.0},
+        }, env
     if name == "vLLM OffloadingConnector":
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"cpu_bytes_to_use": offload_bytes}}, env
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": offload_bytes},
+        }, env
     if name == "vLLM MooncakeStoreConnector":
         assert master is not None
         env["MOONCAKE_CONFIG_PATH"] = master.config_file(workdir)
         return {"kv_connector": "MooncakeStoreConnector", "kv_role": role}, env
     if name == "vLLM MooncakeConnector":
         port = port_base or free_port()
-        return {"kv_connector": "MooncakeConnector", "kv_role": role, "kv_port": port,
-                "kv_connector_extra_config": {}}, env
+        env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(port)
+        return {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": role,
+            "kv_port": port,
+            "kv_connector_extra_config": {},
+        }, env
     if name == "vLLM ExampleConnector":
-        return {"kv_connector": "ExampleConnector", "kv_role": role,
-                "kv_connector_extra_config": {"shared_storage_path": str(workdir / "example")}}, env
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(workdir / "example")},
+        }, env
     raise KeyError(name)
 
 

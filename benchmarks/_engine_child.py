@@ -73,8 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:  # noqa: BLE001 - every start failure goes to the parent
         _send(chan, {"event": "error", "error": traceback.format_exc()})
         return 1
-    _send(chan, {"event": "ready", "pid": os.getpid(), "import_s": t_import,
-                 "start_s": time.perf_counter() - t0, "instrumented": found})
+    _send(
+        chan,
+        {
+            "event": "ready",
+            "pid": os.getpid(),
+            "import_s": t_import,
+            "start_s": time.perf_counter() - t0,
+            "instrumented": found,
+        },
+    )
     default_max_tokens = int(spec.get("max_tokens", 16))
     for line in sys.stdin:
         line = line.strip()

@@ -18,7 +18,7 @@ def main() -> int:
     nbytes = int(sys.argv[1])
     buf = np.empty(nbytes, dtype=np.uint8)
     buf[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8) if nbytes <= (64 << 20) else 0x5A
-    buf[:: 4096] = 7  # touch every page
+    buf[::4096] = 7  # touch every page
     te = TransferEngine()
     rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     if rc != 0:
@@ -28,8 +28,10 @@ def main() -> int:
     if rc != 0:
         print(json.dumps({"error": f"register_memory rc={rc}"}), flush=True)
         return 1
-    print(json.dumps({"peer": f"127.0.0.1:{te.get_rpc_port()}", "addr": int(buf.ctypes.data), "bytes": nbytes}),
-          flush=True)
+    print(
+        json.dumps({"peer": f"127.0.0.1:{te.get_rpc_port()}", "addr": int(buf.ctypes.data), "bytes": nbytes}),
+        flush=True,
+    )
     sys.stdin.read()  # until the parent closes our stdin
     te.unregister_memory(buf.ctypes.data)
     return 0

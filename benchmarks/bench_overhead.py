@@ -55,7 +55,10 @@ class PromptSource:
         self.vocab = vocab
 
     def take(self, n: int) -> list[list[int]]:
-        return [[self.rng.randrange(4, self.vocab) for _ in range(self.rng.randint(*PROMPT_LEN))] for _ in range(n)]
+        return [
+            [self.rng.randrange(4, self.vocab) for _ in range(self.rng.randint(*PROMPT_LEN))]
+            for _ in range(n)
+        ]
 
 
 class RowResult:
@@ -67,16 +70,30 @@ class RowResult:
         self.hits = 0
 
 
-def measure_row(row: str, model_dir, rounds: int, mem_requests: int, sample_every: int, workdir, master) -> RowResult:
+def measure_row(
+    row: str, model_dir, rounds: int, mem_requests: int, sample_every: int, workdir, master
+) -> RowResult:
     if row.startswith("no connector"):
         cfg, env = None, {}
     else:
-        cfg, env = connector_configs(row, workdir=workdir, master=master, embedded_capacity=16 << 20,
-                                     offload_bytes=256 << 20)
+        cfg, env = connector_configs(
+            row, workdir=workdir, master=master, embedded_capacity=16 << 20, offload_bytes=256 << 20
+        )
+    # One OpenMP thread: the tiny model gains nothing from two, and spinning OpenMP threads make step
+    # times swing by several x when other processes share the cores.
+    env = {**env, "OMP_NUM_THREADS": "1"}
     res = RowResult()
     src = PromptSource()
-    eng = BenchEngine(model_dir, name="overhead", kv_transfer_config=cfg, env=env, max_tokens=MAX_TOKENS,
-                      max_model_len=512, kv_cache_bytes=128 << 20, extra_llm_kwargs={"max_num_seqs": MAX_NUM_SEQS})
+    eng = BenchEngine(
+        model_dir,
+        name="overhead",
+        kv_transfer_config=cfg,
+        env=env,
+        max_tokens=MAX_TOKENS,
+        max_model_len=512,
+        kv_cache_bytes=128 << 20,
+        extra_llm_kwargs={"max_num_seqs": MAX_NUM_SEQS},
+    )
     with eng:
         eng.generate(src.take(64), timeout_s=300)  # warm-up
         eng.timings()
@@ -108,8 +125,11 @@ def _plot(results: dict[str, RowResult]) -> str:
     names = list(results)
     base = median(results[names[0]].step_ms) if names and names[0].startswith("no connector") else None
     vals = [median(results[n].step_ms) for n in names]
-    a1.barh(range(len(names)), [ratio(v, base) if base else v for v in vals],
-            color=["grey" if n.startswith("no connector") else "C0" for n in names])
+    a1.barh(
+        range(len(names)),
+        [ratio(v, base) if base else v for v in vals],
+        color=["grey" if n.startswith("no connector") else "C0" for n in names],
+    )
     a1.set_yticks(range(len(names)), names, fontsize=7)
     a1.invert_yaxis()
     if base:
@@ -157,9 +177,13 @@ def run(quick: bool) -> Section:
             with scratch_dir("kv-bench-overhead-") as workdir:
                 if row in ("kv-store mooncake", "vLLM MooncakeStoreConnector"):
                     with MooncakeMaster() as master:
-                        results[row] = measure_row(row, model_dir, rounds, mem_requests, sample_every, workdir, master)
+                        results[row] = measure_row(
+                            row, model_dir, rounds, mem_requests, sample_every, workdir, master
+                        )
                 else:
-                    results[row] = measure_row(row, model_dir, rounds, mem_requests, sample_every, workdir, None)
+                    results[row] = measure_row(
+                        row, model_dir, rounds, mem_requests, sample_every, workdir, None
+                    )
         except Exception as exc:  # noqa: BLE001
             notes.append(f"{row}: failed after {time.monotonic() - t0:.0f} s: {first_error_line(exc)}")
 
@@ -176,29 +200,48 @@ def run(quick: bool) -> Section:
             after = [m for n, m in r.rss if n >= warm]
             if after:
                 growth = f"{after[-1] - after[0]:+.1f}"
-        rows.append([
-            name,
-            f"{ratio(step, median(base.step_ms)):.3f}" if base else "–",
-            f"{ratio(rps, median(base.req_per_s)):.3f}" if base else "–",
-            f"{step:.3g}",
-            f"{median(lk):.3g}" if lk else "–",
-            f"{lk[int(0.99 * (len(lk) - 1))]:.3g}" if lk else "–",
-            f"{r.rss[0][1]:,.0f}" if r.rss else "–",
-            growth,
-        ])
-    t = table(["connector", "step time / none", "req/s / none", "mean step ms", "lookup µs (median)",
-               "lookup µs (p99)", "RSS MiB at start", f"RSS growth MiB after {warm} req"], rows)
+        rows.append(
+            [
+                name,
+                f"{ratio(step, median(base.step_ms)):.3f}" if base else "–",
+                f"{ratio(rps, median(base.req_per_s)):.3f}" if base else "–",
+                f"{step:.3g}",
+                f"{median(lk):.3g}" if lk else "–",
+                f"{lk[int(0.99 * (len(lk) - 1))]:.3g}" if lk else "–",
+                f"{r.rss[0][1]:,.0f}" if r.rss else "–",
+                growth,
+            ]
+        )
+    t = table(
+        [
+            "connector",
+            "step time / none",
+            "req/s / none",
+            "mean step ms",
+            "lookup µs (median)",
+            "lookup µs (p99)",
+            "RSS MiB at start",
+            f"RSS growth MiB after {warm} req",
+        ],
+        rows,
+    )
     again = results.get("no connector (again)")
     if base and again:
         noise = abs(ratio(median(again.step_ms), median(base.step_ms)) - 1)
-        notes.append(f"noise floor: the two no-connector runs differ by {noise:.1%} in step time "
-                     "(other processes share the 2 cores); a difference below that is not measurable here")
-    notes.append(f"workload: {rounds} rounds of {ROUND} fresh prompts of {PROMPT_LEN[0]}-{PROMPT_LEN[1]} random tokens, "
-                 f"max_tokens={MAX_TOKENS}, max_num_seqs={MAX_NUM_SEQS}; step time = mean LLMEngine.step() per round, "
-                 "median over rounds; lookup = connector.get_num_new_matched_tokens per call (scheduler side)")
-    notes.append(f"memory: {mem_requests} more requests, RSS (psutil, engine process tree) every {sample_every}; "
-                 "kv-store embedded capacity 16 MiB (its LRU fills during warm-up), OffloadingConnector 256 MiB, "
-                 "Mooncake segments 512 MiB preallocated")
+        notes.append(
+            f"noise floor: the two no-connector runs differ by {noise:.1%} in step time "
+            "(other processes share the 2 cores); a difference below that is not measurable here"
+        )
+    notes.append(
+        f"workload: {rounds} rounds of {ROUND} fresh prompts of {PROMPT_LEN[0]}-{PROMPT_LEN[1]} random tokens, "
+        f"max_tokens={MAX_TOKENS}, max_num_seqs={MAX_NUM_SEQS}, OMP_NUM_THREADS=1; step time = mean LLMEngine.step() per round, "
+        "median over rounds; lookup = connector.get_num_new_matched_tokens per call (scheduler side)"
+    )
+    notes.append(
+        f"memory: {mem_requests} more requests, RSS (psutil, engine process tree) every {sample_every}; "
+        "kv-store embedded capacity 16 MiB (its LRU fills during warm-up), OffloadingConnector 256 MiB, "
+        "Mooncake segments 512 MiB preallocated"
+    )
     return Section(
         title="Scheduler overhead and memory",
         summary=(

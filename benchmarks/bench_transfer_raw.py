@@ -70,12 +70,19 @@ def memcpy_seconds(block_bytes: int, num_blocks: int, reps: int = 3) -> list[flo
     src = torch.ones((num_blocks, block_bytes), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     idx = torch.from_numpy(_perm(num_blocks)).long()
-    torch.index_select(src, 0, idx, out=dst)  # warm-up, first touch
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.index_select(src, 0, idx, out=dst)
-        times.append(time.perf_counter() - t0)
+    # One thread: OpenMP threads spin-wait badly when other processes share the cores, and one
+    # copy stream is the fair comparison for one TCP stream anyway.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.index_select(src, 0, idx, out=dst)  # warm-up, first touch
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.index_select(src, 0, idx, out=dst)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return times
 
 
@@ -89,8 +96,12 @@ class _Peer:
 
     def __init__(self, nbytes: int) -> None:
         env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks._te_peer", str(nbytes)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks._te_peer", str(nbytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         info = json.loads(line or b'{"error": "peer exited"}')
@@ -161,7 +172,7 @@ def raw_te_read_seconds(block_bytes: int, num_blocks: int, reps: int = 3) -> lis
     total = block_bytes * num_blocks
     peer = init.peer_for(total)
     local = np.zeros(total, dtype=np.uint8)
-    local[:: 4096] = 1  # touch every page before timing
+    local[::4096] = 1  # touch every page before timing
     base = int(local.ctypes.data)
     rc = init.te.register_memory(base, total)
     if rc != 0:
@@ -174,7 +185,9 @@ def raw_te_read_seconds(block_bytes: int, num_blocks: int, reps: int = 3) -> lis
     def once() -> float:
         t0 = time.perf_counter()
         for s in range(0, num_blocks, BATCH):
-            rc = init.te.batch_transfer_sync_read(peer.name, dst[s:s + BATCH], src[s:s + BATCH], lens[s:s + BATCH])
+            rc = init.te.batch_transfer_sync_read(
+                peer.name, dst[s : s + BATCH], src[s : s + BATCH], lens[s : s + BATCH]
+            )
             if rc != 0:
                 raise RuntimeError(f"batch_transfer_sync_read rc={rc}")
         return time.perf_counter() - t0
@@ -195,7 +208,7 @@ def _loglog_slope(xs: list[float], ys: list[float]) -> float:
     lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
     den = sum((a - mx) ** 2 for a in lx)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den if den else float("nan")
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / den if den else float("nan")
 
 
 def _plot(block_sizes, bs_rows, lengths, len_rows) -> str:
@@ -209,8 +222,13 @@ def _plot(block_sizes, bs_rows, lengths, len_rows) -> str:
         xs = [b for b in block_sizes if bs_rows.get((b, key))]
         a1.plot([x / KIB for x in xs], [bs_rows[(x, key)] for x in xs], style, label=name, markersize=4)
         xs = [n for n in lengths if len_rows.get((n, key))]
-        a2.plot([prompt_bytes(n) / MIB for n in xs], [len_rows[(n, key)] * 1e3 for n in xs], style, label=name,
-                markersize=4)
+        a2.plot(
+            [prompt_bytes(n) / MIB for n in xs],
+            [len_rows[(n, key)] * 1e3 for n in xs],
+            style,
+            label=name,
+            markersize=4,
+        )
     a1.set_xscale("log", base=2)
     a1.set_yscale("log")
     a1.set_xlabel("block size (KiB)")
@@ -245,7 +263,7 @@ def run(quick: bool) -> Section:
     block_sizes = [16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 2 * MIB]
     total = (64 if quick else 256) * MIB
     lengths = [1024, 2048, 4096, 8192] if quick else [1024, 2048, 4096, 8192, 16384]
-    reps = 2 if quick else 5
+    reps = 3 if quick else 5
     notes: list[str] = []
     bs_rows: dict[tuple[int, str], float] = {}
     len_rows: dict[tuple[int, str], float] = {}  # seconds
@@ -274,17 +292,35 @@ def run(quick: bool) -> Section:
 
     t1 = table(
         ["block size", "blocks", "memcpy GB/s", "raw TE GB/s", "TE / memcpy"],
-        [[f"{b // KIB} KiB", total // b, bs_rows.get((b, "memcpy"), float("nan")), bs_rows.get((b, "te"), float("nan")),
-          bs_rows.get((b, "te"), float("nan")) / bs_rows[(b, "memcpy")]] for b in block_sizes],
+        [
+            [
+                f"{b // KIB} KiB",
+                total // b,
+                bs_rows.get((b, "memcpy"), float("nan")),
+                bs_rows.get((b, "te"), float("nan")),
+                bs_rows.get((b, "te"), float("nan")) / bs_rows[(b, "memcpy")],
+            ]
+            for b in block_sizes
+        ],
     )
     rows2 = []
     for n_tok in lengths:
         nbytes = prompt_bytes(n_tok)
         mc, te = len_rows.get((n_tok, "memcpy")), len_rows.get((n_tok, "te"))
-        rows2.append([f"{n_tok // 1024}k", f"{nbytes / MIB:,.0f}", f"{mc * 1e3:.3g}" if mc else "–",
-                      nbytes / mc / 1e9 if mc else "–", f"{te * 1e3:.3g}" if te else "–",
-                      nbytes / te / 1e9 if te else "–", te / mc if te and mc else "–"])
-    t2 = table(["prompt", "MiB", "memcpy ms", "memcpy GB/s", "raw TE ms", "raw TE GB/s", "TE / memcpy time"], rows2)
+        rows2.append(
+            [
+                f"{n_tok // 1024}k",
+                f"{nbytes / MIB:,.0f}",
+                f"{mc * 1e3:.3g}" if mc else "–",
+                nbytes / mc / 1e9 if mc else "–",
+                f"{te * 1e3:.3g}" if te else "–",
+                nbytes / te / 1e9 if te else "–",
+                te / mc if te and mc else "–",
+            ]
+        )
+    t2 = table(
+        ["prompt", "MiB", "memcpy ms", "memcpy GB/s", "raw TE ms", "raw TE GB/s", "TE / memcpy time"], rows2
+    )
     for key, label in (("memcpy", "memcpy"), ("te", "raw TE")):
         xs = [n for n in lengths if len_rows.get((n, key))]
         if len(xs) >= 2:
@@ -295,9 +331,11 @@ def run(quick: bool) -> Section:
         f"{LAYOUT.bytes_per_token // KIB} KiB/token; one block = {LAYOUT.block_size} tokens of one layer = "
         f"{LAYOUT.block_bytes // KIB} KiB; a prompt moves layers x ceil(tokens/128) blocks"
     )
-    notes.append(f"block-size sweep: {total // MIB} MiB per measurement, blocks to/from random slots; "
-                 f"TE: batch_transfer_sync_read in batches of {BATCH}, peer = second process, loopback TCP; "
-                 f"median of {reps}")
+    notes.append(
+        f"block-size sweep: {total // MIB} MiB per measurement, blocks to/from random slots; memcpy: torch index_select, 1 thread; "
+        f"TE: batch_transfer_sync_read in batches of {BATCH}, peer = second process, loopback TCP; "
+        f"median of {reps}"
+    )
     return Section(
         title="Transfer path: raw limits",
         summary=(

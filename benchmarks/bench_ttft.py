@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from benchmarks._engine import (
     ROW_CONNECTOR,
@@ -33,8 +33,17 @@ from benchmarks._engine import (
 )
 from benchmarks.report import Section, median, plot_path, progress, ratio, table
 
-MODEL = dict(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64,
-             intermediate_size=1536, vocab_size=2048, max_position_embeddings=16384, seed=1234)
+MODEL = dict(
+    num_layers=4,
+    hidden_size=512,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=2048,
+    max_position_embeddings=16384,
+    seed=1234,
+)
 KV_BYTES_PER_TOKEN = MODEL["num_layers"] * 2 * MODEL["num_kv_heads"] * MODEL["head_dim"] * 4  # fp32
 KV_CACHE_BYTES = 768 << 20
 GEN_TIMEOUT_S = 180.0
@@ -50,8 +59,13 @@ ROWS = [
     "vLLM MooncakeConnector",
     "vLLM ExampleConnector",
 ]
-STORE_ROWS = {"kv-store embedded", "kv-store mooncake", "kv-ucm", "vLLM MooncakeStoreConnector",
-              "vLLM ExampleConnector"}
+STORE_ROWS = {
+    "kv-store embedded",
+    "kv-store mooncake",
+    "kv-ucm",
+    "vLLM MooncakeStoreConnector",
+    "vLLM ExampleConnector",
+}
 P2P_ROWS = {"kv-mooncake P2P", "vLLM MooncakeConnector"}
 OUR_CONNECTORS = {"AscendStoreConnector", "UCMConnector", "MooncakeConnectorV1"}
 NEEDS_MASTER = {"kv-store mooncake", "vLLM MooncakeStoreConnector"}
@@ -70,9 +84,19 @@ def warmup_prompt(seed: int) -> list[int]:
     return [rng.randrange(4, MODEL["vocab_size"]) for _ in range(1100)]
 
 
-def _engine(model_dir, name: str, max_len: int, kv_cfg: dict | None = None, env: dict | None = None) -> BenchEngine:
-    return BenchEngine(model_dir, name=name, kv_transfer_config=kv_cfg, env=env, max_tokens=1,
-                       max_model_len=max_len, kv_cache_bytes=KV_CACHE_BYTES, start_timeout_s=300)
+def _engine(
+    model_dir, name: str, max_len: int, kv_cfg: dict | None = None, env: dict | None = None
+) -> BenchEngine:
+    return BenchEngine(
+        model_dir,
+        name=name,
+        kv_transfer_config=kv_cfg,
+        env=env,
+        max_tokens=1,
+        max_model_len=max_len,
+        kv_cache_bytes=KV_CACHE_BYTES,
+        start_timeout_s=300,
+    )
 
 
 class Measured:
@@ -134,7 +158,9 @@ def run_store_row(row: str, model_dir, prompts: Prompts, max_len: int, workdir, 
 
 def run_offload_row(row: str, model_dir, prompts: Prompts, max_len: int, workdir) -> Measured:
     total_tokens = sum(len(p) for p in prompts.values()) + 1024
-    cfg, env = connector_configs(row, workdir=workdir, offload_bytes=max(256 << 20, 2 * total_tokens * KV_BYTES_PER_TOKEN))
+    cfg, env = connector_configs(
+        row, workdir=workdir, offload_bytes=max(256 << 20, 2 * total_tokens * KV_BYTES_PER_TOKEN)
+    )
     with _engine(model_dir, "offload", max_len, cfg, env) as eng:
         _gen1(eng, warmup_prompt(3))
         for _key, p in sorted(prompts.items()):
@@ -152,9 +178,6 @@ def run_offload_row(row: str, model_dir, prompts: Prompts, max_len: int, workdir
 def run_p2p_row(row: str, model_dir, prompts: Prompts, max_len: int, workdir) -> Measured:
     p_cfg, p_env = connector_configs(row, workdir=workdir, role="kv_producer", port_base=free_port())
     d_cfg, d_env = connector_configs(row, workdir=workdir, role="kv_consumer", port_base=free_port())
-    if row == "vLLM MooncakeConnector":
-        p_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(p_cfg["kv_port"])
-        d_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(d_cfg["kv_port"])
     prefill = _engine(model_dir, "prefill", max_len, p_cfg, p_env)
     decode = _engine(model_dir, "decode", max_len, d_cfg, d_env)
     try:
@@ -245,7 +268,9 @@ def run(quick: bool) -> Section:
             continue
         m = results[row]
         if row != "recompute" and not any(c > 0 for v in m.hit.values() for c in v):
-            notes.append(f"{row}: ran, but no request got a cached token (num_cached_tokens = 0): its row is recompute plus connector overhead")
+            notes.append(
+                f"{row}: ran, but no request got a cached token (num_cached_tokens = 0): its row is recompute plus connector overhead"
+            )
 
     rec = results.get("recompute")
     header = ["connector"] + [f"{n // 1024}k: TTFT / recompute" for n in lengths] + ["tokens hit (of prompt)"]

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from kv_ucm.block_ids import UCM_BLOCK_ID_SIZE, ucm_block_id, ucm_block_ids
 
 BASE = dict(model="tiny-llama", tp_size=2, dtype="float32", rank=0, use_mla=False)

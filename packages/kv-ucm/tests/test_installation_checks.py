@@ -7,7 +7,6 @@ import importlib.util
 from pathlib import PurePosixPath
 
 import pytest
-
 from kv_ucm import ucm_store
 from kv_ucm.ucm_store import UcmInstallationError, check_ucm_installation
 
@@ -204,15 +203,11 @@ def test_load_ucm_yaml_rejects_bad_shapes(tmp_path, text):
 
 
 def test_native_config_derivation():
-    cfg = ucm_store._native_config(
-        {"store_pipeline": "Posix", "storage_backends": "/a:/b"}, 4096, 3
-    )
+    cfg = ucm_store._native_config({"store_pipeline": "Posix", "storage_backends": "/a:/b"}, 4096, 3)
     assert cfg["storage_backends"] == ["/a", "/b"]
     assert (cfg["tensor_size"], cfg["shard_size"], cfg["block_size"]) == (4096, 12288, 12288)
     assert cfg["device_id"] == 0
-    no_sizes = ucm_store._native_config(
-        {"store_pipeline": "Posix", "storage_backends": ["/a"]}, None, 1
-    )
+    no_sizes = ucm_store._native_config({"store_pipeline": "Posix", "storage_backends": ["/a"]}, None, 1)
     assert no_sizes["device_id"] == -1
     scheduler = ucm_store._native_config(
         {"store_pipeline": "Posix", "storage_backends": ["/a"]}, 4096, 2, lookup_only=True

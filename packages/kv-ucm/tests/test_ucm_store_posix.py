@@ -26,7 +26,9 @@ import pytest
 os.environ.setdefault("UCM_LOG_PATH", tempfile.mkdtemp(prefix="ucm-log-"))
 
 pytest.importorskip("ucm", reason="UCM (uc-manager[cu130]) is Python 3.12 only")
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip(
+    "torch", reason="UCM's Python store wrapper imports torch (install torch==2.13.0)"
+)
 
 from kv_ucm.block_ids import ucm_block_id  # noqa: E402
 from kv_ucm.ucm_store import (  # noqa: E402
@@ -55,10 +57,7 @@ def block_tensors(caches, vllm_block: int) -> list[torch.Tensor]:
 
 
 def ids_for(hashes) -> list[bytes]:
-    return [
-        ucm_block_id(h, model="tiny", tp_size=1, dtype="float32", rank=0, use_mla=False)
-        for h in hashes
-    ]
+    return [ucm_block_id(h, model="tiny", tp_size=1, dtype="float32", rank=0, use_mla=False) for h in hashes]
 
 
 def open_store(root, **kwargs) -> UcmStore:
@@ -110,7 +109,7 @@ def test_roundtrip_vllm_cpu_layout(store_root, store):
     dst_blocks = [0, 2, 3]
     assert store.load(ids, [block_tensors(dst, b) for b in dst_blocks]) == [True, True, True]
     for layer in range(NUM_LAYERS):
-        for s_b, d_b in zip(src_blocks, dst_blocks):
+        for s_b, d_b in zip(src_blocks, dst_blocks, strict=True):
             assert as_bytes(dst[layer][d_b]) == as_bytes(src[layer][s_b])
         for untouched in set(range(NUM_BLOCKS)) - set(dst_blocks):
             assert not dst[layer][untouched].any()
@@ -124,9 +123,7 @@ def test_lookup_on_prefix(store):
     src = make_caches()
     ids = ids_for(range(5))
     assert store.lookup_on_prefix(ids) == 0
-    assert store.dump([ids[0], ids[1], ids[3]], [block_tensors(src, b) for b in (0, 1, 3)]) == [
-        True
-    ] * 3
+    assert store.dump([ids[0], ids[1], ids[3]], [block_tensors(src, b) for b in (0, 1, 3)]) == [True] * 3
     assert store.lookup_on_prefix(ids) == 2  # stops at the first miss (ids[2])
     assert store.lookup_on_prefix(ids[3:]) == 1
     assert store.lookup_on_prefix([]) == 0
@@ -218,9 +215,21 @@ CHILD = textwrap.dedent(
 def run_child(tmp_path, mode, ids):
     env = dict(os.environ)
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path / "kv"), mode, str(NUM_LAYERS),
-         str(PER_LAYER_BLOCK_BYTES), *(i.hex() for i in ids)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path),
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(tmp_path / "kv"),
+            mode,
+            str(NUM_LAYERS),
+            str(PER_LAYER_BLOCK_BYTES),
+            *(i.hex() for i in ids),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=str(tmp_path),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     # UCM's logger also prints to stdout: keep only our lines
@@ -272,8 +281,10 @@ def test_missing_block_fails_cleanly(store):
     assert store.dump(present, [block_tensors(src, 0)]) == [True]
     assert store.lookup(absent) == [False]
     dst = make_caches("zeros")
-    ok = store.load([present[0], absent[0], present[0]],
-                    [block_tensors(dst, 1), block_tensors(dst, 2), block_tensors(dst, 3)])
+    ok = store.load(
+        [present[0], absent[0], present[0]],
+        [block_tensors(dst, 1), block_tensors(dst, 2), block_tensors(dst, 3)],
+    )
     assert ok == [True, False, True]
     assert all(not layer[2].any() for layer in dst)  # nothing written for the miss
     assert as_bytes(dst[0][1]) == as_bytes(src[0][0])
@@ -314,7 +325,7 @@ def test_flipped_bytes_are_not_detected(store_root, store):
     got = [as_bytes(t) for t in block_tensors(dst, 0)]
     want = [as_bytes(t) for t in block_tensors(src, 0)]
     assert got[0] == want[0] and got[2] == want[2]
-    diff = [i for i, (x, y) in enumerate(zip(got[1], want[1])) if x != y]
+    diff = [i for i, (x, y) in enumerate(zip(got[1], want[1], strict=True)) if x != y]
     assert diff == [100]  # ... but differs in exactly the flipped byte
 
 
@@ -347,7 +358,7 @@ def test_buffer_shape_checks(store):
     with pytest.raises(ValueError, match="per block"):
         store.dump(bid, [block_tensors(src, 0)[:2]])
     with pytest.raises(ValueError, match="bytes"):
-        store.dump(bid, [[t[:, :8] .contiguous() for t in block_tensors(src, 0)]])
+        store.dump(bid, [[t[:, :8].contiguous() for t in block_tensors(src, 0)]])
     with pytest.raises(ValueError, match="contiguous"):
         store.dump(bid, [[t.transpose(1, 2) for t in block_tensors(src, 0)]])
     with pytest.raises(ValueError, match="buffers"):
@@ -380,8 +391,13 @@ def test_creation_errors(tmp_path):
         UcmStore.from_config({"store_pipeline": "NoSuchPipeline", "storage_backends": str(tmp_path)})
     with pytest.raises(ValueError, match="tensor_size"):
         UcmStore.from_config(
-            {"store_pipeline": "Posix", "storage_backends": str(tmp_path),
-             "tensor_size": 4096, "shard_size": 6000, "block_size": 6000}
+            {
+                "store_pipeline": "Posix",
+                "storage_backends": str(tmp_path),
+                "tensor_size": 4096,
+                "shard_size": 6000,
+                "block_size": 6000,
+            }
         )
 
 

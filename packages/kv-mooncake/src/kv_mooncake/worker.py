@@ -389,7 +389,8 @@ class MooncakeWorker:
 
     def _notify(self, address: str, message: msgspec.Struct) -> None:
         try:
-            self._request(address, message, self.config.handshake_timeout_s)
+            # Short: a dead prefill must not delay the decode's failure report (its blocks died too).
+            self._request(address, message, min(1.0, self.config.handshake_timeout_s))
         except side_channel.SideChannelError as exc:
             logger.warning("MooncakeConnectorV1: %s to %s not delivered: %s", type(message).__name__, address, exc)
 

@@ -142,9 +142,13 @@ def check_ucm_installation() -> None:
         )
     if not backends and importlib.util.find_spec("ucm") is None:
         # (an importable 'ucm' without a distribution is a source checkout on sys.path: fine)
-        py = "" if sys.version_info[:2] == (3, 12) else (
-            f" (UCM wheels exist only for CPython 3.12; this is {sys.version_info[0]}."
-            f"{sys.version_info[1]})"
+        py = (
+            ""
+            if sys.version_info[:2] == (3, 12)
+            else (
+                f" (UCM wheels exist only for CPython 3.12; this is {sys.version_info[0]}."
+                f"{sys.version_info[1]})"
+            )
         )
         raise UcmInstallationError(f"UCM is not installed{py}: {hint}")
 
@@ -217,9 +221,7 @@ def _native_config(
     if "tensor_size" in cfg:
         t, s, b = (int(cfg[k]) for k in ("tensor_size", "shard_size", "block_size"))
         if t <= 0 or s % t or b % s:
-            raise ValueError(
-                f"UCM needs tensor_size | shard_size | block_size, got {t}, {s}, {b}"
-            )
+            raise ValueError(f"UCM needs tensor_size | shard_size | block_size, got {t}, {s}, {b}")
         # device_id >= 0 makes the native store a "worker" that moves data; on the Posix
         # pipeline no device is touched, the pointers are host memory. A lookup-only store
         # still carries block_size: every Posix instance on one backend directory must publish
@@ -287,13 +289,9 @@ class UcmStore:
         self.tensor_size: int | None = (
             int(self.config["tensor_size"]) if "tensor_size" in self.config else None
         )
-        self.tensors_per_block = (
-            int(self.config["shard_size"]) // self.tensor_size if self.tensor_size else 0
-        )
+        self.tensors_per_block = int(self.config["shard_size"]) // self.tensor_size if self.tensor_size else 0
         self.shards_per_block = (
-            int(self.config["block_size"]) // int(self.config["shard_size"])
-            if self.tensor_size
-            else 0
+            int(self.config["block_size"]) // int(self.config["shard_size"]) if self.tensor_size else 0
         )
         self.can_transfer = self.tensor_size is not None and int(self.config["device_id"]) >= 0
 
@@ -308,7 +306,7 @@ class UcmStore:
         tensors_per_block: int = 1,
         connector_name: str | None = None,
         lookup_only: bool = False,
-    ) -> "UcmStore":
+    ) -> UcmStore:
         """Open a UCM store from a ``ucm_connector_config`` dict.
 
         ``config`` is what UCM users write, e.g. ``{"store_pipeline": "Posix",
@@ -362,8 +360,7 @@ class UcmStore:
         for i, bid in enumerate(block_ids):
             if not isinstance(bid, (bytes, bytearray)) or len(bid) != UCM_BLOCK_ID_SIZE:
                 raise ValueError(
-                    f"block_ids[{i}]: UCM block ids are exactly {UCM_BLOCK_ID_SIZE} bytes, "
-                    f"got {bid!r:.60}"
+                    f"block_ids[{i}]: UCM block ids are exactly {UCM_BLOCK_ID_SIZE} bytes, got {bid!r:.60}"
                 )
             ids.append(bytes(bid))
         return ids
@@ -395,22 +392,15 @@ class UcmStore:
         self, ids: list[bytes], buffers: Sequence[Any], writable: bool, keep: list[Any]
     ) -> list[list[int]]:
         if not self.can_transfer:
-            raise UcmError(
-                "transfer", CODE_UNKNOWN, "store opened for lookup only (no tensor_size)"
-            )
+            raise UcmError("transfer", CODE_UNKNOWN, "store opened for lookup only (no tensor_size)")
         if len(buffers) != len(ids):
             raise ValueError(f"{len(ids)} block ids but {len(buffers)} buffers")
         rows = []
         for i, entry in enumerate(buffers):
-            parts = (
-                list(entry)
-                if isinstance(entry, (list, tuple))
-                else [entry]
-            )
+            parts = list(entry) if isinstance(entry, (list, tuple)) else [entry]
             if len(parts) != self.tensors_per_block:
                 raise ValueError(
-                    f"block {i}: {len(parts)} buffers, the store expects "
-                    f"{self.tensors_per_block} per block"
+                    f"block {i}: {len(parts)} buffers, the store expects {self.tensors_per_block} per block"
                 )
             row = []
             for part in parts:
@@ -440,9 +430,7 @@ class UcmStore:
         except RuntimeError as exc:
             raise UcmError(operation, _exception_code(exc), str(exc)) from exc
 
-    def _per_block(
-        self, operation: str, ids: list[bytes], rows: list[list[int]], shard: int
-    ) -> list[bool]:
+    def _per_block(self, operation: str, ids: list[bytes], rows: list[list[int]], shard: int) -> list[bool]:
         if not ids:
             return []
         try:
@@ -455,7 +443,7 @@ class UcmStore:
                 return [False]
         # A batch fails as a whole in UCM: retry block by block to find the bad ones.
         results = []
-        for bid, row in zip(ids, rows):
+        for bid, row in zip(ids, rows, strict=True):
             try:
                 self._run(operation, [bid], shard, [row])
                 results.append(True)
@@ -485,7 +473,7 @@ class UcmStore:
         todo = [i for i, p in enumerate(present) if p]
         loaded = self._per_block("load", [ids[i] for i in todo], [rows[i] for i in todo], shard)
         results = [False] * len(ids)
-        for i, ok in zip(todo, loaded):
+        for i, ok in zip(todo, loaded, strict=True):
             results[i] = ok
         return results
 
@@ -502,7 +490,7 @@ class UcmStore:
     def closed(self) -> bool:
         return self._store is None
 
-    def __enter__(self) -> "UcmStore":
+    def __enter__(self) -> UcmStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -148,7 +148,10 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.ledger.take_block_ids_with_load_errors()
+        failed = self.ledger.take_block_ids_with_load_errors()
+        if failed:
+            logger.warning("%s: %d block(s) failed to load; vLLM recomputes them", self.connector_name, len(failed))
+        return failed
 
     def build_connector_worker_meta(self) -> Any:
         if self._worker is None:

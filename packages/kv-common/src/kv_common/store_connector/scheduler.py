@@ -63,7 +63,7 @@ class StoreScheduler:
         self.config = config
         self.load_enabled = load_enabled
         self.save_enabled = save_enabled
-        self.stats = stats or StoreStats()
+        self.stats = stats if stats is not None else StoreStats()
         self._clock = clock
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-lookup")
         self._lookups: dict[str, _Lookup] = {}

@@ -99,8 +99,8 @@ class StoreWorker:
         self.rank_tag = rank_tag
         self.config = config
         self.layer_groups = dict(layer_groups or {})
-        self.stats = stats or StoreStats()
-        self.ledger = ledger or FailureLedger()
+        self.stats = stats if stats is not None else StoreStats()
+        self.ledger = ledger if ledger is not None else FailureLedger()
         self._layers: list[_Layer] = []
         self._layer_index: dict[str, int] = {}
         self.payload_size = 0

@@ -1,0 +1,84 @@
+"""The real Mooncake TransferEngine over TCP on loopback, between two processes, via our wrapper."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import time
+
+import pytest
+
+np = pytest.importorskip("numpy")
+pytest.importorskip("mooncake.engine")
+
+from kv_mooncake.transfer_engine import MooncakeTransferEngine, TransferError  # noqa: E402
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+BLOCK = 4096
+NUM_BLOCKS = 1500  # more than max_inflight: the wrapper must chunk
+
+
+def _target(conn) -> None:
+    os.environ["MC_LOG_LEVEL"] = "ERROR"
+    data = np.random.default_rng(7).integers(0, 256, NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    te.register([(data.ctypes.data, data.nbytes)])
+    conn.send((te.rpc_address, data.ctypes.data, [hashlib.sha256(data[i * BLOCK:(i + 1) * BLOCK]).hexdigest()
+                                                   for i in range(NUM_BLOCKS)]))
+    conn.recv()  # stay alive until told
+    te.close()
+
+
+@pytest.fixture
+def target():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_target, args=(child,), daemon=True)
+    proc.start()
+    assert parent.poll(60)
+    address, base, digests = parent.recv()
+    yield proc, parent, address, base, digests
+    if proc.is_alive():
+        parent.send("stop")
+        proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
+def test_chunked_read_between_processes_verified(target):
+    _, _, address, base, digests = target
+    local = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    te.register([(local.ctypes.data, local.nbytes)])
+    order = list(range(NUM_BLOCKS))
+    random.Random(3).shuffle(order)  # local block i <- remote block order[i]
+    chunks = []
+    n = te.read_blocks(address, [local.ctypes.data + i * BLOCK for i in range(NUM_BLOCKS)],
+                       [base + j * BLOCK for j in order], [BLOCK] * NUM_BLOCKS,
+                       deadline=time.monotonic() + 30, on_chunk=lambda: chunks.append(1))
+    assert n == NUM_BLOCKS * BLOCK
+    assert len(chunks) == 3  # 1500 requests in chunks of at most 512
+    for i, j in enumerate(order):
+        assert hashlib.sha256(local[i * BLOCK:(i + 1) * BLOCK]).hexdigest() == digests[j]
+    te.close()
+
+
+def test_errors_are_transfer_errors_and_dead_peer_does_not_hang(target):
+    proc, _, address, base, _ = target
+    local = np.zeros(4 * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    te.register([(local.ctypes.data, local.nbytes)])
+    with pytest.raises(TransferError, match="batch_transfer_sync_read failed"):
+        te.read_blocks(address, [local.ctypes.data], [base + NUM_BLOCKS * BLOCK * 4], [BLOCK])  # outside
+    with pytest.raises(TransferError, match="deadline"):
+        te.read_blocks(address, [local.ctypes.data], [base], [BLOCK], deadline=time.monotonic() - 1)
+    proc.kill()
+    proc.join(5)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError):
+        te.read_blocks(address, [local.ctypes.data + i * BLOCK for i in range(4)], [base + i * BLOCK for i in range(4)],
+                       [BLOCK] * 4, deadline=time.monotonic() + 10)
+    assert time.monotonic() - t0 < 10
+    te.close()

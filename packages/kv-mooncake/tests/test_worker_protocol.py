@@ -1,0 +1,141 @@
+"""Prefill-side protocol: DONE counting, FreeNow, expiry, handshake refusal over real ZMQ sockets."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kv_common import side_channel
+from kv_mooncake import protocol as P
+from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.metadata import HoldRequest, MooncakeStep
+from kv_mooncake.worker import LocalCache, MooncakeWorker, query_leaks
+
+SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
+
+
+class FakeTransferEngine:
+    """Stands in for the TE only where these tests never move bytes (the TE has its own test)."""
+
+    rpc_address = "127.0.0.1:1"
+
+    def register(self, regions):
+        self.regions = regions
+
+    def close(self):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def prefill():
+    cfg = MooncakeConfig(hold_timeout_s=0.5, lease_s=0.3)
+    w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=_free_port(),
+                       total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    w.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
+    yield w
+    w.close()
+
+
+def _finished(w: MooncakeWorker) -> set[str]:
+    sending, _ = w.get_finished()
+    return sending or set()
+
+
+def test_freed_once_after_all_expected_dones(prefill):
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=3)]))
+    assert prefill.leak_report()["held_blocks"] == 3
+    assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=2)), P.Ack)
+    assert isinstance(prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2)), P.Ack)
+    assert _finished(prefill) == set()  # one of two readers
+    prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2))  # repeated: counts once
+    assert _finished(prefill) == set()
+    prefill.handle(P.PullDone(request_id="r", reader_id="b", ok=False, expected_readers=2))
+    assert _finished(prefill) == {"r"}
+    prefill.handle(P.PullDone(request_id="r", reader_id="c", ok=True, expected_readers=2))
+    assert _finished(prefill) == set()  # never twice
+    assert prefill.leak_report()["held_blocks"] == 0
+    refused = prefill.handle(P.PullStarted(request_id="r", reader_id="d", expected_readers=1))
+    assert isinstance(refused, P.Refused) and not refused.retry and "already freed" in refused.reason
+
+
+def test_unknown_request_is_retryable_and_early_done_applies(prefill):
+    reply = prefill.handle(P.PullStarted(request_id="x", reader_id="a", expected_readers=1))
+    assert isinstance(reply, P.Refused) and reply.retry
+    prefill.handle(P.PullDone(request_id="x", reader_id="a", ok=False, expected_readers=1))  # before the hold
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="x", num_blocks=1)]))
+    assert _finished(prefill) == {"x"}
+
+
+def test_free_now_and_expiry(prefill):
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="a", num_blocks=1),
+                                           HoldRequest(request_id="b", num_blocks=1)]))
+    prefill.handle(P.FreeNow(request_id="a"))
+    assert _finished(prefill) == {"a"}
+    time.sleep(0.6)
+    assert _finished(prefill) == {"b"}  # hold_timeout_s passed, nobody pulled
+    assert prefill.stats.to_dict()["counters"]["expired_holds"] == 1
+
+
+def test_lease_keeps_blocks_past_the_hold(prefill):
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1)]))
+    assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=1)), P.Ack)
+    for _ in range(4):  # 0.8 s > hold_timeout_s, renewed every 0.2 s
+        time.sleep(0.2)
+        assert isinstance(prefill.handle(P.LeaseRenew(request_id="r", reader_id="a")), P.Ack)
+        assert _finished(prefill) == set()
+    prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True))
+    assert _finished(prefill) == {"r"}
+
+
+def _compat(**changes) -> P.Compatibility:
+    base = dict(model="m", dtype="float32", block_size=16, head_size=8, num_layers=2, total_kv_heads=4, use_mla=False)
+    base.update(changes)
+    return P.Compatibility(**base)
+
+
+def test_handshake_over_zmq_and_compatibility_refusal(prefill):
+    addr = prefill.server.address
+    ok = side_channel.request(addr, P.Handshake(engine_id="P", compatibility=_compat(), reader_id="d"),
+                              P.REPLY_TYPES, 2.0)
+    assert isinstance(ok, P.HandshakeReply) and ok.layer_names == ["l0", "l1"] and ok.base_addresses == [4096, 8192]
+    bad = side_channel.request(addr, P.Handshake(engine_id="P", compatibility=_compat(block_size=128), reader_id="d"),
+                               P.REPLY_TYPES, 2.0)
+    assert isinstance(bad, P.Refused) and "block_size 128 vs 16" in bad.reason
+    other = side_channel.request(addr, P.Handshake(engine_id="Q", compatibility=_compat(), reader_id="d"),
+                                 P.REPLY_TYPES, 2.0)
+    assert isinstance(other, P.Refused) and "engine id" in other.reason
+    assert query_leaks(addr) == {"held_blocks": 0, "held_requests": 0, "pending_pulls": 0}
+
+
+def test_malformed_and_oversized_messages_are_dropped(prefill):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{prefill.server.address}")
+    try:
+        sock.send(b"\xc1not msgpack")
+        assert sock.poll(2000)
+        assert b"undecodable" in sock.recv()
+        sock.send(msgspec.msgpack.encode({"type": "Evil", "cmd": "rm -rf"}))
+        assert sock.poll(2000)
+        sock.recv()
+    finally:
+        sock.close()
+    big = sock2 = ctx.socket(zmq.REQ)
+    sock2.setsockopt(zmq.LINGER, 0)
+    sock2.connect(f"tcp://{prefill.server.address}")
+    big.send(b"x" * (2 << 20))  # over max_message_bytes: zmq drops the peer, no reply
+    assert not sock2.poll(500)
+    sock2.close()
+    # The server still answers well-formed requests.
+    assert query_leaks(prefill.server.address)["held_blocks"] == 0
