@@ -68,7 +68,11 @@ def baseline_tokens(tiny_model, prompts):
     turn1, turn2 = run_engine_batches(
         tiny_model, [prompts, prompts], kv_transfer_config=None, max_tokens=16, multiprocess=False
     )
-    print(f"\n[baseline] in-process engine: start {turn1.start_s:.1f} s, total {time.perf_counter() - t0:.1f} s")
+    print(
+        f"\n[baseline] in-process engine: start {turn1.start_s:.1f} s, total {time.perf_counter() - t0:.1f} s"
+    )
     assert_same_tokens(turn2, turn1)
-    assert all(n > 0 for n, p in zip(turn2.num_cached_tokens, prompts) if len(p) > BLOCK), turn2.num_cached_tokens
+    assert all(n > 0 for n, p in zip(turn2.num_cached_tokens, prompts, strict=False) if len(p) > BLOCK), (
+        turn2.num_cached_tokens
+    )
     return turn1

@@ -93,7 +93,6 @@ def test_1p1d_tokens_match_and_prefill_frees_everything(engines):
     prompts = _prompts(6, seed=1)
     reference = p1.generate(prompts)  # no kv_transfer_params: a plain run
     params = _prefill(p1, prompts)
-    assert query_leaks(f"127.0.0.1:{P1_PORT}")["held_blocks"] > 0 or True  # may already be freed
     t0 = time.perf_counter()
     out = d.generate(prompts, _forward(params))
     print(f"1P1D decode of {len(prompts)} prompts: {time.perf_counter() - t0:.2f}s")
@@ -111,7 +110,7 @@ def test_2p1d_each_request_pulls_from_its_prefill(engines):
     assert {p["remote_port"] for p in params} == {P1_PORT, P2_PORT}
     out = d.generate(prompts, _forward(params))
     assert_same_tokens(out, reference)
-    assert out.num_cached_tokens == [len(p) for p in prompts]
+    assert out.num_cached_tokens == [len(p) for p in prompts], (out.num_cached_tokens, out.stderr_tail)
     assert _wait_no_holds(P1_PORT)["held_blocks"] == 0
     assert _wait_no_holds(P2_PORT)["held_blocks"] == 0
 

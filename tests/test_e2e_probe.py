@@ -7,7 +7,6 @@ import time
 
 import pytest
 from conftest import requires_vllm
-
 from kv_common.testing import (
     SCHEDULER_HOOKS,
     EngineProcess,
@@ -34,8 +33,10 @@ def test_probe_hooks_fire_in_separate_processes(tiny_model, prompts, baseline_to
         engine_pids = set(eng.pids())
         result = eng.generate(prompts, extra)
     total = time.perf_counter() - t0
-    print(f"\n[probe] multiprocess engine: start {started:.1f} s (child {result.start_s:.1f} s), "
-          f"generate {result.wall_s:.2f} s, total with shutdown {total:.1f} s")
+    print(
+        f"\n[probe] multiprocess engine: start {started:.1f} s (child {result.start_s:.1f} s), "
+        f"generate {result.wall_s:.2f} s, total with shutdown {total:.1f} s"
+    )
 
     assert_same_tokens(result, baseline_tokens)
 
@@ -45,13 +46,26 @@ def test_probe_hooks_fire_in_separate_processes(tiny_model, prompts, baseline_to
     records = read_probe_trace(trace_dir)
     by_role = summarize_trace(records)
     sched, worker = by_role.get("scheduler", {}), by_role.get("worker", {})
-    for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished"):
+    for hook in (
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "request_finished",
+    ):
         assert hook in sched, f"scheduler hook {hook} never called; saw {sorted(sched)}"
-    for hook in ("register_kv_caches", "start_load_kv", "save_kv_layer", "wait_for_save", "wait_for_layer_load"):
+    for hook in (
+        "register_kv_caches",
+        "start_load_kv",
+        "save_kv_layer",
+        "wait_for_save",
+        "wait_for_layer_load",
+    ):
         assert hook in worker, f"worker hook {hook} never called; saw {sorted(worker)}"
 
     sched_pids = set().union(*(sched[h] for h in SCHEDULER_HOOKS))
-    worker_pids = set().union(*(worker[h] for h in ("register_kv_caches", "start_load_kv", "save_kv_layer", "wait_for_save")))
+    worker_pids = set().union(
+        *(worker[h] for h in ("register_kv_caches", "start_load_kv", "save_kv_layer", "wait_for_save"))
+    )
     assert len(sched_pids) == 1 and len(worker_pids) == 1, (sched_pids, worker_pids)
     assert sched_pids.isdisjoint(worker_pids)
     assert os.getpid() not in sched_pids | worker_pids
@@ -70,5 +84,7 @@ def test_probe_hooks_fire_in_separate_processes(tiny_model, prompts, baseline_to
     # The engine's process tree is gone and the test process holds nothing new.
     import psutil
 
-    assert not [p for p in engine_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        p for p in engine_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
     leaks.assert_clean(timeout_s=5.0)

@@ -6,13 +6,10 @@ Every comparison is exact greedy tokens against a run without a connector, plus 
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import requires_vllm
 
 pytestmark = [requires_vllm]
@@ -98,7 +95,7 @@ def test_multi_turn_reuses_growing_prefix(tiny_model, tmp_path):
         turn3 = turn2 + r2.token_ids[0] + [rng.randrange(4, 1000) for _ in range(30)]
         r3 = eng.generate([turn3])
     want = run_engine_batches(tiny_model, [[turn1], [turn2], [turn3]], kv_transfer_config=None, **ENGINE)
-    for got, exp in zip((r1, r2, r3), want):
+    for got, exp in zip((r1, r2, r3), want, strict=True):
         assert_same_tokens(got, exp)
     # prefix caching is off: every cached token came from the store
     assert r2.num_cached_tokens[0] >= (len(turn1) // BS) * BS

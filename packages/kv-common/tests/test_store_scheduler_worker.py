@@ -7,9 +7,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import pytest
 import torch
-
 from kv_common.backend import Backend
 from kv_common.embedded_backend import EmbeddedBackend
 from kv_common.store_connector import codec

@@ -6,10 +6,12 @@ their own with ``[project.entry-points."kv_store.backends"] mine = "pkg.mod:make
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import metadata as importlib_metadata
-from typing import Any, Callable
+from typing import Any
 
 from kv_common.backend import Backend
+
 from kv_store.config import StoreConfig, default_spill_dir, resolve_mooncake
 
 GROUP = "kv_store.backends"

@@ -11,6 +11,7 @@ from typing import Any
 
 from kv_common.backend import Backend
 from kv_common.store_connector.connector import StoreConnectorBase
+
 from kv_store.backends import make_backend
 from kv_store.config import StoreConfig
 

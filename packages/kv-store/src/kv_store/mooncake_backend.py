@@ -17,7 +17,8 @@ import ctypes
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kv_common.backend import Backend, BackendError
 
@@ -100,10 +101,10 @@ class MooncakeBackend(Backend):
             return [False] * len(keys)
         views = [memoryview(v).cast("B") for v in values]
         addresses = [buffer_address(v) for v in views]
-        if all(self._is_registered(a, len(v)) for a, v in zip(addresses, views)):
+        if all(self._is_registered(a, len(v)) for a, v in zip(addresses, views, strict=True)):
             codes = self._store.batch_put_from(list(keys), addresses, [len(v) for v in views])
         else:
-            codes = [self._store.put(k, bytes(v)) for k, v in zip(keys, views)]
+            codes = [self._store.put(k, bytes(v)) for k, v in zip(keys, views, strict=True)]
         out = []
         for code in codes:
             if code < 0:
@@ -116,12 +117,12 @@ class MooncakeBackend(Backend):
             return [-1] * len(keys)
         views = [memoryview(b).cast("B") for b in buffers]
         addresses = [buffer_address(v) for v in views]
-        if all(self._is_registered(a, len(v)) for a, v in zip(addresses, views)):
+        if all(self._is_registered(a, len(v)) for a, v in zip(addresses, views, strict=True)):
             # Mooncake checks the destination size (-600 when the value is larger): no overrun.
             codes = self._store.batch_get_into(list(keys), addresses, [len(v) for v in views])
         else:
             codes = []
-            for key, view in zip(keys, views):
+            for key, view in zip(keys, views, strict=True):
                 data = self._store.get(key)
                 if not data or len(data) > len(view):
                     codes.append(OBJECT_NOT_FOUND if not data else -600)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import uuid
 
-import pytest
-
 
 def _key(tag: str) -> str:
     return f"contract/{uuid.uuid4().hex}/{tag}"

@@ -16,7 +16,8 @@ A key names one block of one rank's KV cache::
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 KEY_PREFIX = "kv"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def leading_present(present_per_rank: Sequence[Sequence[bool]]) -> int:
@@ -11,7 +11,7 @@ def leading_present(present_per_rank: Sequence[Sequence[bool]]) -> int:
     if not present_per_rank:
         return 0
     count = 0
-    for column in zip(*present_per_rank):
+    for column in zip(*present_per_rank, strict=False):
         if not all(column):
             break
         count += 1

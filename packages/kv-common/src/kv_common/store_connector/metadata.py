@@ -56,7 +56,7 @@ class StoreWorkerMetadata(_base.KVConnectorWorkerMetadata):
     def __init__(self, report: StoreReport) -> None:
         self.report = report
 
-    def aggregate(self, other: "StoreWorkerMetadata") -> "StoreWorkerMetadata":
+    def aggregate(self, other: StoreWorkerMetadata) -> StoreWorkerMetadata:
         # A block is stored only when every rank stored it; removed when any rank lost it.
         mine = set(self.report.stored)
         stored = [h for h in other.report.stored if h in mine]

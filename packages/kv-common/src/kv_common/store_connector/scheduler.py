@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from kv_common.backend import Backend
 from kv_common.store_connector import keys as keys_mod
@@ -197,7 +198,7 @@ class StoreScheduler:
             elif new_ids is not None:
                 if not state.block_ids:
                     state.block_ids = [[] for _ in new_ids]
-                for group, ids in zip(state.block_ids, new_ids):
+                for group, ids in zip(state.block_ids, new_ids, strict=True):
                     group.extend(ids)
             save = self._plan_save(state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
             if save is not None:

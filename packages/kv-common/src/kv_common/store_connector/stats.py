@@ -40,7 +40,7 @@ class StoreStats(TransferStatsBase):
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "StoreStats":
+    def from_dict(cls, data: dict[str, Any] | None) -> StoreStats:
         stats = super().from_dict(data)
         assert isinstance(stats, StoreStats)
         data = data or {}
@@ -48,7 +48,7 @@ class StoreStats(TransferStatsBase):
         stats.get_durations_s = [float(d) for d in data.get("get_durations_s", ())][:MAX_DURATION_SAMPLES]
         return stats
 
-    def aggregate(self, other: TransferStatsBase) -> "StoreStats":
+    def aggregate(self, other: TransferStatsBase) -> StoreStats:
         super().aggregate(other)
         if isinstance(other, StoreStats):
             with self._lock:

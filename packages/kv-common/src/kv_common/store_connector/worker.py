@@ -20,9 +20,9 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
 
 import torch
 
@@ -198,7 +198,7 @@ class StoreWorker:
                 ok = [False] * n
                 logger.warning("store put failed for %s: %s", transfer.request_id, exc)
             seconds = time.perf_counter() - t0
-            stored = [h for h, good in zip(sub.block_hashes, ok) if good]
+            stored = [h for h, good in zip(sub.block_hashes, ok, strict=True) if good]
             self.stats.record_put(len(stored) * self.value_size, seconds)
             self.stats.incr("blocks_saved", len(stored))
             if len(stored) < n:

@@ -23,9 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 Prompt = Sequence[int]
 
@@ -60,7 +61,9 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def max_model_len_for(prompts_batches: Sequence[Sequence[Prompt]], max_tokens: int, block_size: int | None = None) -> int:
+def max_model_len_for(
+    prompts_batches: Sequence[Sequence[Prompt]], max_tokens: int, block_size: int | None = None
+) -> int:
     longest = max((len(p) for batch in prompts_batches for p in batch), default=0)
     return max(256, _round_up(longest + max_tokens + 1, block_size or 128))
 
@@ -309,7 +312,9 @@ class EngineProcess:
             raise EngineError(f"[{self.name}] engine child is gone ({exc})", self.stderr_tail()) from exc
         msg = self._read_msg(timeout_s, what)
         if not msg.get("ok"):
-            raise EngineError(f"[{self.name}] {what} failed in the engine:\n{msg.get('error', msg)}", self.stderr_tail())
+            raise EngineError(
+                f"[{self.name}] {what} failed in the engine:\n{msg.get('error', msg)}", self.stderr_tail()
+            )
         return msg["result"]
 
     # ------------------------------------------------------------------ API
@@ -396,7 +401,7 @@ def run_engine_batches(
     t0 = time.perf_counter()
     try:
         eng.start(wait=True)
-        for batch, extra in zip(prompts_batches, extras):
+        for batch, extra in zip(prompts_batches, extras, strict=False):
             remaining = max(1.0, deadline - time.monotonic())
             results.append(eng.generate(batch, extra, timeout_s=remaining))
     finally:
@@ -453,24 +458,27 @@ def _tokens(x: EngineResult | Sequence[Sequence[int]]) -> list[list[int]]:
     return [list(t) for t in (x.token_ids if isinstance(x, EngineResult) else x)]
 
 
-def assert_same_tokens(result: EngineResult | Sequence[Sequence[int]], expected: EngineResult | Sequence[Sequence[int]]) -> None:
+def assert_same_tokens(
+    result: EngineResult | Sequence[Sequence[int]], expected: EngineResult | Sequence[Sequence[int]]
+) -> None:
     """Exact greedy-token equality per prompt, with a diff that shows where each prompt diverges."""
     got, want = _tokens(result), _tokens(expected)
     problems = []
     if len(got) != len(want):
         problems.append(f"number of outputs differs: got {len(got)}, expected {len(want)}")
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
         if g == w:
             continue
-        pos = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        pos = next((k for k, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w)))
         lo = max(0, pos - 3)
         problems.append(
             f"prompt {i}: first difference at output token {pos} (got {len(g)} tokens, expected {len(w)})\n"
-            f"    got      [{lo}:] {g[lo:pos + 6]}\n"
-            f"    expected [{lo}:] {w[lo:pos + 6]}"
+            f"    got      [{lo}:] {g[lo : pos + 6]}\n"
+            f"    expected [{lo}:] {w[lo : pos + 6]}"
         )
     if problems:
-        same = sum(1 for g, w in zip(got, want) if g == w)
+        same = sum(1 for g, w in zip(got, want, strict=False) if g == w)
         raise AssertionError(
-            f"generated tokens differ from the baseline ({same}/{len(want)} prompts identical):\n" + "\n".join(problems)
+            f"generated tokens differ from the baseline ({same}/{len(want)} prompts identical):\n"
+            + "\n".join(problems)
         )

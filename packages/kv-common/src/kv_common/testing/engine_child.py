@@ -71,14 +71,20 @@ def _generate(llm: Any, req: dict[str, Any], default_max_tokens: int) -> dict[st
         raise ValueError("extra_args / max_tokens lists must have one entry per prompt")
     params = [
         SamplingParams(temperature=0.0, max_tokens=int(mt), ignore_eos=True, extra_args=ea or None)
-        for ea, mt in zip(extra, max_tokens_list)
+        for ea, mt in zip(extra, max_tokens_list, strict=False)
     ]
     inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
     t0 = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    res: dict[str, Any] = {"token_ids": [], "num_cached_tokens": [], "kv_transfer_params": [],
-                           "ttft_s": [], "e2e_s": [], "wall_s": wall}
+    res: dict[str, Any] = {
+        "token_ids": [],
+        "num_cached_tokens": [],
+        "kv_transfer_params": [],
+        "ttft_s": [],
+        "e2e_s": [],
+        "wall_s": wall,
+    }
     for out in outputs:
         res["token_ids"].append([int(t) for t in out.outputs[0].token_ids])
         res["num_cached_tokens"].append(int(out.num_cached_tokens or 0))

@@ -17,8 +17,9 @@ import fnmatch
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = ["LeakBaseline", "LeakError", "assert_no_leaks"]
 
@@ -49,7 +50,11 @@ def _inet_connections() -> set[tuple[Any, ...]]:
     except ImportError:
         return set()
     proc = psutil.Process()
-    conns = proc.net_connections(kind="inet") if hasattr(proc, "net_connections") else proc.connections(kind="inet")
+    conns = (
+        proc.net_connections(kind="inet")
+        if hasattr(proc, "net_connections")
+        else proc.connections(kind="inet")
+    )
     return {(c.fd, c.type, tuple(c.laddr or ()), tuple(c.raddr or ()), c.status) for c in conns}
 
 
@@ -80,7 +85,8 @@ class LeakBaseline:
     def new_threads(self, allow_threads: Iterable[str] = ()) -> list[threading.Thread]:
         allow = tuple(allow_threads)
         return [
-            t for t in threading.enumerate()
+            t
+            for t in threading.enumerate()
             if t.ident not in self.thread_idents and t.is_alive() and not _matches(t.name, allow)
         ]
 
@@ -88,7 +94,8 @@ class LeakBaseline:
         allow = tuple(allow_fds)
         now = _fd_table()
         return {
-            fd: target for fd, target in now.items()
+            fd: target
+            for fd, target in now.items()
             if self.fds.get(fd) != target and not _matches(target, allow)
         }
 
@@ -105,7 +112,9 @@ class LeakBaseline:
         out = []
         threads = self.new_threads(allow_threads)
         if threads:
-            out.append("threads started during the test are still alive: " + ", ".join(map(_thread_desc, threads)))
+            out.append(
+                "threads started during the test are still alive: " + ", ".join(map(_thread_desc, threads))
+            )
         conns = self.new_connections()
         if conns:
             out.append(f"inet sockets opened during the test are still open: {sorted(conns, key=repr)}")
@@ -127,7 +136,10 @@ class LeakBaseline:
         if os.getpid() != self.pid:
             raise RuntimeError("LeakBaseline used in a different process than the one it was captured in")
         connectors = list(connectors)
-        _poll(lambda: self.problems(connectors=connectors, allow_threads=allow_threads, allow_fds=allow_fds), timeout_s)
+        _poll(
+            lambda: self.problems(connectors=connectors, allow_threads=allow_threads, allow_fds=allow_fds),
+            timeout_s,
+        )
 
 
 def _connector_problems(connectors: Iterable[Any]) -> list[str]:
@@ -185,8 +197,12 @@ def assert_no_leaks(
     def check() -> list[str]:
         out = _connector_problems(connectors)
         stray = [
-            t for t in threading.enumerate()
-            if t is not main and t is not threading.current_thread() and not t.daemon and t.is_alive()
+            t
+            for t in threading.enumerate()
+            if t is not main
+            and t is not threading.current_thread()
+            and not t.daemon
+            and t.is_alive()
             and not _matches(t.name, allow)
         ]
         if stray:

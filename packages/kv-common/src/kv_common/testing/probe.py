@@ -16,8 +16,19 @@ PROBE_NAME = "KVCommonProbeConnector"
 PROBE_SPEC = ConnectorSpec(PROBE_NAME, "kv_common.testing.probe_connector", "KVCommonProbeConnector")
 
 # Hooks that live on each side (used by tests and by ``summarize_trace``).
-SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished")
-WORKER_HOOKS = ("register_kv_caches", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save")
+SCHEDULER_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "request_finished",
+)
+WORKER_HOOKS = (
+    "register_kv_caches",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+)
 
 
 def register() -> None:

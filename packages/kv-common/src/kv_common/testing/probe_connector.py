@@ -56,8 +56,14 @@ class KVCommonProbeConnector(KVConnectorBase_V1):
     def _record(self, method: str, **details: Any) -> None:
         if self._fh is None:
             return
-        rec = {"t": time.time(), "seq": next(self._seq), "pid": os.getpid(), "role": self._role_name,
-               "method": method, "thread": threading.current_thread().name}
+        rec = {
+            "t": time.time(),
+            "seq": next(self._seq),
+            "pid": os.getpid(),
+            "role": self._role_name,
+            "method": method,
+            "thread": threading.current_thread().name,
+        }
         rec.update(details)
         line = json.dumps(rec, default=repr)
         with self._lock:
@@ -83,15 +89,21 @@ class KVCommonProbeConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side (abstract)
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        self._record("get_num_new_matched_tokens", request_id=_request_id(request),
-                     num_computed_tokens=int(num_computed_tokens),
-                     num_prompt_tokens=getattr(request, "num_prompt_tokens", None),
-                     kv_transfer_params=getattr(request, "kv_transfer_params", None))
+        self._record(
+            "get_num_new_matched_tokens",
+            request_id=_request_id(request),
+            num_computed_tokens=int(num_computed_tokens),
+            num_prompt_tokens=getattr(request, "num_prompt_tokens", None),
+            kv_transfer_params=getattr(request, "kv_transfer_params", None),
+        )
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._record("update_state_after_alloc", request_id=_request_id(request),
-                     num_external_tokens=int(num_external_tokens))
+        self._record(
+            "update_state_after_alloc",
+            request_id=_request_id(request),
+            num_external_tokens=int(num_external_tokens),
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         self._step += 1
@@ -101,7 +113,9 @@ class KVCommonProbeConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ optional hooks, traced
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._record("register_kv_caches", layers={k: list(getattr(v, "shape", ())) for k, v in kv_caches.items()})
+        self._record(
+            "register_kv_caches", layers={k: list(getattr(v, "shape", ())) for k, v in kv_caches.items()}
+        )
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         self._record("bind_connector_metadata", step=getattr(connector_metadata, "step", None))

@@ -14,8 +14,9 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 PARAMS_FILE = "params.json"
 _FORMAT_VERSION = 1
@@ -63,11 +64,59 @@ def _is_complete(out_dir: Path, params: dict[str, Any]) -> bool:
 def _corpus(seed: int, n_lines: int = 3000) -> list[str]:
     """Deterministic pseudo-English text to train the BPE merges on."""
     rng = random.Random(seed)
-    syllables = ["ka", "ve", "lo", "mi", "tra", "sen", "dor", "qui", "bel", "nu", "ox", "ar", "es",
-                 "ion", "th", "ing", "pre", "con", "al", "ur", "zy", "wh", "st", "re", "de", "an"]
+    syllables = [
+        "ka",
+        "ve",
+        "lo",
+        "mi",
+        "tra",
+        "sen",
+        "dor",
+        "qui",
+        "bel",
+        "nu",
+        "ox",
+        "ar",
+        "es",
+        "ion",
+        "th",
+        "ing",
+        "pre",
+        "con",
+        "al",
+        "ur",
+        "zy",
+        "wh",
+        "st",
+        "re",
+        "de",
+        "an",
+    ]
     words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(800)]
-    words += ["the", "of", "and", "to", "in", "is", "cache", "block", "token", "prefill", "decode",
-              "key", "value", "layer", "engine", "request", "0", "1", "2", "42", "128", "256"]
+    words += [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "cache",
+        "block",
+        "token",
+        "prefill",
+        "decode",
+        "key",
+        "value",
+        "layer",
+        "engine",
+        "request",
+        "0",
+        "1",
+        "2",
+        "42",
+        "128",
+        "256",
+    ]
     lines = []
     for _ in range(n_lines):
         ws = [rng.choice(words) for _ in range(rng.randint(4, 16))]
@@ -122,9 +171,17 @@ def build_tiny_llama(
     parameters (recorded in ``params.json``, written last).
     """
     params = _normalize(
-        dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-             head_dim=head_dim, intermediate_size=intermediate_size, vocab_size=vocab_size,
-             max_position_embeddings=max_position_embeddings, seed=seed)
+        dict(
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate_size,
+            vocab_size=vocab_size,
+            max_position_embeddings=max_position_embeddings,
+            seed=seed,
+        )
     )
     out = Path(out_dir)
     if _is_complete(out, params):
