@@ -18,6 +18,7 @@ from kv_common.testing import (
 )
 
 pytestmark = [pytest.mark.e2e, requires_vllm]
+psutil = pytest.importorskip("psutil")
 
 
 def test_probe_hooks_fire_in_separate_processes(tiny_model, prompts, baseline_tokens, tmp_path):
@@ -31,6 +32,7 @@ def test_probe_hooks_fire_in_separate_processes(tiny_model, prompts, baseline_to
     with EngineProcess(tiny_model, kv_transfer_config=cfg, multiprocess=True, name="probe") as eng:
         started = time.perf_counter() - t0
         engine_pids = set(eng.pids())
+        engine_procs = [psutil.Process(p) for p in engine_pids]
         result = eng.generate(prompts, extra)
     total = time.perf_counter() - t0
     print(
@@ -82,9 +84,12 @@ def test_probe_hooks_fire_in_separate_processes(tiny_model, prompts, baseline_to
     assert shape[1:] == [4, 128, 64], shape
 
     # The engine's process tree is gone and the test process holds nothing new.
-    import psutil
-
-    assert not [
-        p for p in engine_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-    ]
+    assert not [p for p in engine_procs if _alive(p)], [(p.pid, p.name()) for p in engine_procs if _alive(p)]
     leaks.assert_clean(timeout_s=5.0)
+
+
+def _alive(proc) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

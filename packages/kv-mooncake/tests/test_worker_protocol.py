@@ -52,9 +52,9 @@ def _finished(w: MooncakeWorker) -> set[str]:
 
 
 def test_freed_once_after_all_expected_dones(prefill):
-    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=3)]))
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=3, block_ids=list(range(3)))]))
     assert prefill.leak_report()["held_blocks"] == 3
-    assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=2)), P.Ack)
+    assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=2, block_ids=[0])), P.Ack)
     assert isinstance(prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2)), P.Ack)
     assert _finished(prefill) == set()  # one of two readers
     prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2))  # repeated: counts once
@@ -64,21 +64,21 @@ def test_freed_once_after_all_expected_dones(prefill):
     prefill.handle(P.PullDone(request_id="r", reader_id="c", ok=True, expected_readers=2))
     assert _finished(prefill) == set()  # never twice
     assert prefill.leak_report()["held_blocks"] == 0
-    refused = prefill.handle(P.PullStarted(request_id="r", reader_id="d", expected_readers=1))
+    refused = prefill.handle(P.PullStarted(request_id="r", reader_id="d", expected_readers=1, block_ids=[0]))
     assert isinstance(refused, P.Refused) and not refused.retry and "already freed" in refused.reason
 
 
 def test_unknown_request_is_retryable_and_early_done_applies(prefill):
-    reply = prefill.handle(P.PullStarted(request_id="x", reader_id="a", expected_readers=1))
+    reply = prefill.handle(P.PullStarted(request_id="x", reader_id="a", expected_readers=1, block_ids=[0]))
     assert isinstance(reply, P.Refused) and reply.retry
     prefill.handle(P.PullDone(request_id="x", reader_id="a", ok=False, expected_readers=1))  # before the hold
-    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="x", num_blocks=1)]))
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="x", num_blocks=1, block_ids=list(range(1)))]))
     assert _finished(prefill) == {"x"}
 
 
 def test_free_now_and_expiry(prefill):
-    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="a", num_blocks=1),
-                                           HoldRequest(request_id="b", num_blocks=1)]))
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="a", num_blocks=1, block_ids=list(range(1))),
+                                           HoldRequest(request_id="b", num_blocks=1, block_ids=list(range(1)))]))
     prefill.handle(P.FreeNow(request_id="a"))
     assert _finished(prefill) == {"a"}
     time.sleep(0.6)
@@ -87,8 +87,8 @@ def test_free_now_and_expiry(prefill):
 
 
 def test_lease_keeps_blocks_past_the_hold(prefill):
-    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1)]))
-    assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=1)), P.Ack)
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=list(range(1)))]))
+    assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=1, block_ids=[0])), P.Ack)
     for _ in range(4):  # 0.8 s > hold_timeout_s, renewed every 0.2 s
         time.sleep(0.2)
         assert isinstance(prefill.handle(P.LeaseRenew(request_id="r", reader_id="a")), P.Ack)
@@ -114,7 +114,7 @@ def test_handshake_over_zmq_and_compatibility_refusal(prefill):
     other = side_channel.request(addr, P.Handshake(engine_id="Q", compatibility=_compat(), reader_id="d"),
                                  P.REPLY_TYPES, 2.0)
     assert isinstance(other, P.Refused) and "engine id" in other.reason
-    assert query_leaks(addr) == {"held_blocks": 0, "held_requests": 0, "pending_pulls": 0}
+    assert query_leaks(addr) == {"held_blocks": 0, "held_requests": 0, "pending_pulls": 0, "active_reads": 0}
 
 
 def test_malformed_and_oversized_messages_are_dropped(prefill):
@@ -139,3 +139,31 @@ def test_malformed_and_oversized_messages_are_dropped(prefill):
     sock2.close()
     # The server still answers well-formed requests.
     assert query_leaks(prefill.server.address)["held_blocks"] == 0
+
+
+def test_reader_may_only_read_the_requests_own_blocks(prefill):
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[2, 3]),
+                                           HoldRequest(request_id="s", num_blocks=1, block_ids=[1])]))
+    for bad_ids in ([1], [2, 3, 0], []):  # another request's block, one too many, undeclared
+        reply = prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=1, block_ids=bad_ids))
+        assert isinstance(reply, P.Refused) and not reply.retry and "not held for this request" in reply.reason
+    assert prefill.leak_report()["active_reads"] == 0
+    assert prefill.stats.to_dict()["counters"]["rejected_reads"] == 3
+    ok = prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=1, block_ids=[3]))
+    assert isinstance(ok, P.Ack)
+    assert prefill.leak_report()["active_reads"] == 1
+    prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True))
+    assert _finished(prefill) == {"r"}
+    assert prefill.leak_report() == {"held_blocks": 1, "held_requests": 1, "pending_pulls": 0, "active_reads": 0}
+
+
+def test_client_may_shorten_but_not_extend_the_hold():
+    from kv_mooncake.scheduler import MooncakeScheduler
+
+    sched = MooncakeScheduler(MooncakeConfig(hold_timeout_s=30.0), engine_id="P", block_size=16,
+                              is_producer=True, is_consumer=False, side_channel_port=1)
+    assert sched._hold_ttl({"hold_timeout_s": 2}) == 2.0
+    assert sched._hold_ttl({"hold_timeout_s": 3600}) == 30.0
+    assert sched._hold_ttl({"hold_timeout_s": "x"}) is None
+    assert sched._hold_ttl({"hold_timeout_s": float("nan")}) is None
+    assert sched._hold_ttl({}) is None

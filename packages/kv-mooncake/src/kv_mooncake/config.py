@@ -25,6 +25,13 @@ class MooncakeConfig(ConnectorConfig):
     max_inflight_transfers: int = 512  # per peer; the TCP transport rejects more than 1024
     num_pull_threads: int = 4
     max_message_bytes: int = 1 << 20
+    # Decode ranks also listen on their side-channel port (base + rank index) and answer LeakQuery
+    # (tests, operators). Off by default: a decode needs no open port otherwise.
+    decode_side_channel: bool = False
+    # TEST-ONLY fault injection: a decode pull sleeps this long after its lease is taken and after
+    # every TE chunk (bounded by the pull deadline), so tests can kill the prefill mid-pull.
+    # Never set it in production.
+    debug_pull_chunk_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_inflight_transfers <= 1024:
@@ -32,6 +39,8 @@ class MooncakeConfig(ConnectorConfig):
         for name in ("pull_timeout_s", "hold_timeout_s", "lease_s", "handshake_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.debug_pull_chunk_delay_s < 0:
+            raise ValueError("debug_pull_chunk_delay_s must be >= 0")
         if self.num_pull_threads < 1:
             raise ValueError("num_pull_threads must be >= 1")
 

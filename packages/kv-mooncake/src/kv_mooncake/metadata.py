@@ -29,6 +29,8 @@ class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
 class HoldRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     num_blocks: int
+    block_ids: list[int] = []  # the only blocks a reader may read for this request
+    ttl_s: float | None = None  # per-request hold timeout (never above the configured one)
 
 
 class MooncakeStep(msgspec.Struct, kw_only=True):

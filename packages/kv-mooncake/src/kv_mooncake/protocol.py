@@ -57,6 +57,9 @@ class PullStarted(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     request_id: str
     reader_id: str
     expected_readers: int  # decode ranks that will pull from this prefill rank (same for all)
+    # Remote block ids this reader will read; the prefill refuses ids it does not hold for the
+    # request (a stale or malicious reader must not be handed other requests' blocks).
+    block_ids: list[int] = []
 
 
 class LeaseRenew(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -93,6 +96,7 @@ class LeakReport(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     held_blocks: int
     held_requests: int
     pending_pulls: int
+    active_reads: int = 0  # prefill: readers holding a current lease
 
 
 REQUEST_TYPES = (Handshake, PullStarted, LeaseRenew, PullDone, FreeNow, LeakQuery)

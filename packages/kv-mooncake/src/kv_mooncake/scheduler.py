@@ -125,7 +125,8 @@ class MooncakeScheduler:
         if status not in _FINISHED_OK or not any(groups):
             return False, None  # aborted prefill: vLLM frees its blocks now, nothing to hand over
         self._held.add(request.request_id)
-        self._step.holds.append(HoldRequest(request_id=request.request_id, num_blocks=len(groups[0])))
+        self._step.holds.append(HoldRequest(request_id=request.request_id, num_blocks=len(groups[0]),
+                                            block_ids=list(groups[0]), ttl_s=self._hold_ttl(params)))
         out = KVTransferParams(
             do_remote_prefill=True,
             do_remote_decode=False,
@@ -141,6 +142,21 @@ class MooncakeScheduler:
         ).to_dict()
         out["do_remote_decode"] = False
         return True, out
+
+    def _hold_ttl(self, params: dict) -> float | None:
+        """A client may shorten (never extend) the hold with ``kv_transfer_params["hold_timeout_s"]``."""
+        raw = params.get("hold_timeout_s")
+        if raw is None:
+            return None
+        try:
+            ttl = float(raw)
+        except (TypeError, ValueError):
+            logger.warning("MooncakeConnectorV1: ignoring hold_timeout_s=%r (not a number)", raw)
+            return None
+        if not ttl > 0:  # also NaN
+            logger.warning("MooncakeConnectorV1: ignoring hold_timeout_s=%r (must be > 0)", raw)
+            return None
+        return min(ttl, self.config.hold_timeout_s)
 
     def build_step(self) -> MooncakeStep:
         step, self._step = self._step, MooncakeStep()

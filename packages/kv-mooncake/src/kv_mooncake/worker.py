@@ -120,6 +120,8 @@ class MooncakeWorker:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._held_blocks: dict[str, int] = {}
+        self._held_block_ids: dict[str, frozenset[int]] = {}  # what a reader may read, per request
+        self._active_reads: set[tuple[str, str]] = set()  # (request, reader) between PullStarted and PullDone
         self._expected_known: set[str] = set()
         self._recently_freed: OrderedDict[str, str] = OrderedDict()
         self._early_done: dict[str, set[str]] = {}
@@ -165,21 +167,25 @@ class MooncakeWorker:
                 self.config.max_inflight_transfers,
             )
         self.te.register([(a, b * cache.num_blocks) for a, b in zip(cache.base_addresses, cache.block_bytes)])
-        if self.is_producer:
-            port = self.side_channel_port + self.prefill_rank.index(self.prefill_layout)
+        if self.is_producer or self.config.decode_side_channel:
+            if self.is_producer:
+                port = self.side_channel_port + self.prefill_rank.index(self.prefill_layout)
+            else:
+                port = self.side_channel_port + self.decode_rank.tp_rank * self.decode_layout.dcp_size \
+                    + self.decode_rank.dcp_rank
             self.server = side_channel.SideChannelServer(
                 self.config.side_channel_host, port, self.handle, P.REQUEST_TYPES,
                 self.config.max_message_bytes, name=f"mooncake-side-channel:{port}",
             ).start()
-            logger.info("MooncakeConnectorV1 prefill rank %s: side channel %s, TE %s",
-                        self.prefill_rank, self.server.address, self.te.rpc_address)
+            logger.info("MooncakeConnectorV1 %s rank: side channel %s, TE %s",
+                        "prefill" if self.is_producer else "decode", self.server.address, self.te.rpc_address)
         if self.is_consumer:
             self._pool = ThreadPoolExecutor(self.config.num_pull_threads, thread_name_prefix="mooncake-pull")
 
     # ---- per step ----------------------------------------------------------------------------
     def start_step(self, step: MooncakeStep) -> None:
         for hold in step.holds:
-            self._hold(hold.request_id, hold.num_blocks)
+            self._hold(hold.request_id, hold.num_blocks, hold.block_ids, hold.ttl_s)
         for source in step.frees:
             self._submit(self._tell_free, source)
         for pull in step.pulls:
@@ -206,15 +212,18 @@ class MooncakeWorker:
                 "held_blocks": sum(self._held_blocks.values()),
                 "held_requests": len(self._held_blocks),
                 "pending_pulls": len(self._pending_pulls),
+                "active_reads": len(self._active_reads),
             }
 
     # ---- prefill: holds and the side channel --------------------------------------------------
-    def _hold(self, request_id: str, num_blocks: int) -> None:
+    def _hold(self, request_id: str, num_blocks: int, block_ids: list[int] | None = None,
+              ttl_s: float | None = None) -> None:
         with self._lock:
             self._held_blocks[request_id] = num_blocks
+            self._held_block_ids[request_id] = frozenset(block_ids or ())
             early_free = self._early_free.pop(request_id, 0) is None
             early_done = self._early_done.pop(request_id, set())
-        self.tracker.hold(request_id, 1, self.config.hold_timeout_s)
+        self.tracker.hold(request_id, 1, ttl_s or self.config.hold_timeout_s)
         for reader in early_done:
             self.tracker.done(request_id, reader)
         if early_free:
@@ -223,6 +232,8 @@ class MooncakeWorker:
     def _on_free(self, request_id: str, reason: str) -> None:
         with self._lock:
             self._held_blocks.pop(request_id, None)
+            self._held_block_ids.pop(request_id, None)
+            self._active_reads = {r for r in self._active_reads if r[0] != request_id}
             self._expected_known.discard(request_id)
             self._finished_sending.add(request_id)
             self._recently_freed[request_id] = reason
@@ -252,8 +263,14 @@ class MooncakeWorker:
         if isinstance(message, P.Handshake):
             return self._handshake_reply(message)
         if isinstance(message, P.PullStarted):
+            refused = self._check_block_ids(message)
+            if refused is not None:
+                return refused
             self._learn_expected(message.request_id, message.expected_readers)
             if self.tracker.begin_read(message.request_id, message.reader_id, self.config.lease_s):
+                with self._lock:
+                    if message.request_id in self._held_blocks:
+                        self._active_reads.add((message.request_id, message.reader_id))
                 return P.Ack()
             return self._not_held(message.request_id)
         if isinstance(message, P.LeaseRenew):
@@ -263,6 +280,7 @@ class MooncakeWorker:
         if isinstance(message, P.PullDone):
             self._learn_expected(message.request_id, message.expected_readers)
             with self._lock:
+                self._active_reads.discard((message.request_id, message.reader_id))
                 held = message.request_id in self._held_blocks
                 if not held and message.request_id not in self._recently_freed:
                     self._early_done.setdefault(message.request_id, set()).add(message.reader_id)
@@ -284,8 +302,24 @@ class MooncakeWorker:
         if isinstance(message, P.LeakQuery):
             r = self.leak_report()
             return P.LeakReport(held_blocks=r["held_blocks"], held_requests=r["held_requests"],
-                                pending_pulls=r["pending_pulls"])
+                                pending_pulls=r["pending_pulls"], active_reads=r["active_reads"])
         return P.Refused(reason=f"unexpected message {type(message).__name__}")
+
+    def _check_block_ids(self, message: P.PullStarted) -> P.Refused | None:
+        """A reader may only read blocks this rank holds for that very request."""
+        with self._lock:
+            allowed = self._held_block_ids.get(message.request_id)
+        if allowed is None:
+            return None  # not held (yet / any more): begin_read answers
+        wanted = set(message.block_ids)
+        bad = sorted(wanted - allowed) if wanted else None
+        if bad is None or bad:
+            what = "no block ids" if bad is None else f"block ids {bad[:8]}{'...' if len(bad) > 8 else ''}"
+            logger.warning("MooncakeConnectorV1: refusing reader %s of request %s: %s not held for it",
+                           message.reader_id, message.request_id, what)
+            self.stats.incr("rejected_reads")
+            return P.Refused(reason=f"request {message.request_id}: {what} not held for this request")
+        return None
 
     def _handshake_reply(self, message: P.Handshake) -> msgspec.Struct:
         if self.cache is None or self.compatibility is None:
@@ -398,18 +432,29 @@ class MooncakeWorker:
         source = req.source
         address = self._peer_address(source, pull.source, prefill)
         hs = self._handshake(address, source.engine_id, deadline)
-        started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id, expected_readers=expected)
+        local, remote, lengths = self._addresses(req, pull, hs)
+        block_ids = sorted({source.block_ids[src_pos] for src_pos, _ in pull.blocks})
+        started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id, expected_readers=expected,
+                                block_ids=block_ids)
         reply = self._until(deadline, lambda left: self._request(address, started, min(left, self.config.handshake_timeout_s)))
         if not isinstance(reply, P.Ack):
             raise PullFailed(f"{address} refused the pull: {getattr(reply, 'reason', reply)}")
-        local, remote, lengths = self._addresses(req, pull, hs)
         renew = P.LeaseRenew(request_id=source.request_id, reader_id=self.reader_id)
         last_renew = [time.monotonic()]
+        delay = self.config.debug_pull_chunk_delay_s
 
         def on_chunk() -> None:  # keep the lease alive during long pulls
+            if delay:
+                time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             if time.monotonic() - last_renew[0] > self.config.lease_s / 3:
                 last_renew[0] = time.monotonic()
-                self._request(address, renew, self.config.handshake_timeout_s)
+                reply = self._request(address, renew, min(self.config.handshake_timeout_s,
+                                                          max(0.05, deadline - time.monotonic())))
+                if not isinstance(reply, P.Ack):
+                    raise PullFailed(f"{address} refused the lease renewal: {getattr(reply, 'reason', reply)}")
+
+        if delay:  # test-only: a window in which the lease is taken but no byte has moved
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
         return self.te.read_blocks(hs.te_address, local, remote, lengths, deadline, on_chunk)
 

@@ -99,3 +99,19 @@ def ucm_block_ids(
         ucm_block_id(h, model=model, tp_size=tp_size, dtype=dtype, rank=rank, use_mla=use_mla)
         for h in block_hashes
     ]
+
+
+_KEY_PERSON = b"kv-ucm-storekey"  # a different personalisation: never equal to a ucm_block_id
+
+
+def ucm_key_id(key: str) -> bytes:
+    """The 16-byte UCM id of a store-connector key (``kv/<namespace>/<rank tag>/<hash hex>``).
+
+    The store core's keys already carry everything ``ucm_block_id`` folds in (model, dtype, KV
+    dtype, block size, layout, parallel sizes, hash algorithm in the namespace; the head group or
+    ``mla`` in the rank tag; the chained vLLM block hash), so the id is a BLAKE2b digest of the key.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key must be a non-empty string, got {key!r:.60}")
+    data = key.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=UCM_BLOCK_ID_SIZE, person=_KEY_PERSON).digest()

@@ -226,6 +226,7 @@ class EngineProcess:
         if timeout_s is None:
             timeout_s = self.shutdown_timeout_s + 30.0
         deadline = time.monotonic() + timeout_s
+        tree = self._tree_snapshot()
         if proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
                 assert proc.stdin is not None
@@ -244,6 +245,7 @@ class EngineProcess:
         self._kill_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
+        self._wait_gone(tree, timeout_s=10.0)
         rc = proc.returncode
         if self._sel is not None:
             self._sel.close()
@@ -260,6 +262,42 @@ class EngineProcess:
             shutil.rmtree(self._workdir, ignore_errors=True)
         self._proc = None
         return rc
+
+    def _tree_snapshot(self) -> list[Any]:
+        """psutil handles of the child's process tree (empty without psutil)."""
+        try:
+            import psutil
+        except ImportError:
+            return []
+        try:
+            root = psutil.Process(self._proc.pid)  # type: ignore[union-attr]
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    @staticmethod
+    def _wait_gone(procs: list[Any], timeout_s: float) -> None:
+        """Wait until every process of the snapshot has exited (zombies count as gone), killing stragglers."""
+        if not procs:
+            return
+        import psutil
+
+        def alive() -> list[Any]:
+            out = []
+            for p in procs:
+                try:
+                    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                        out.append(p)
+                except psutil.Error:
+                    pass
+            return out
+
+        deadline = time.monotonic() + timeout_s
+        while (left := alive()) and time.monotonic() < deadline:
+            for p in left:  # outside our process group (setsid'd helpers) or ignoring SIGTERM
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            time.sleep(0.05)
 
     def _kill_group(self, sig: int) -> None:
         if self._proc is None:

@@ -1,0 +1,81 @@
+"""UCMConnector: vLLM V1 KV offload and prefix reuse through UCM (Unified Cache Management).
+
+Everything vLLM-facing (prefix lookup after the local prefix-cache hit, loads before the forward,
+sync or layer-wise, saves after it in the background, load errors -> recompute, stats) is the
+generic store connector of ``kv_common.store_connector``; this class says which config it reads
+and builds a ``UcmBackend`` over the UCM store that config names::
+
+    kv_transfer_config = {"kv_connector": "UCMConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"UCM_CONFIG_FILE": "ucm.yaml"}}
+
+On a CPU host the store that moves data is UCM's ``Posix`` pipeline (local disk or NFS).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kv_common.backend import Backend
+from kv_common.store_connector.connector import StoreConnectorBase
+
+from kv_ucm.config import UCMConfig, resolve_store_spec
+from kv_ucm.ucm_backend import UcmBackend
+from kv_ucm.ucm_store import check_ucm_installation
+
+logger = logging.getLogger(__name__)
+
+
+def expected_value_size(kv_cache_config: Any) -> int | None:
+    """Bytes of one stored value (all layers of a block + the codec trailer), from vLLM's
+    ``KVCacheConfig``; None when it cannot tell. The worker learns the real size from the KV
+    tensors; this estimate lets the scheduler's lookup-only store publish the same UCM block size
+    (UCM's Posix garbage collector requires it when enabled)."""
+    from kv_common.store_connector import codec
+
+    try:
+        total = 0
+        for group in kv_cache_config.kv_cache_groups:
+            total += len(group.layer_names) * int(group.kv_cache_spec.page_size_bytes)
+    except Exception:  # noqa: BLE001 - other vLLM versions / partial configs in unit tests
+        return None
+    return total + codec.TRAILER_SIZE if total > 0 else None
+
+
+def _is_scheduler(role: Any) -> bool:
+    return getattr(role, "name", str(role)).upper().endswith("SCHEDULER")
+
+
+class UCMConnector(StoreConnectorBase):
+    connector_name = "UCMConnector"
+    config_type = UCMConfig
+
+    def make_backend(self, config: UCMConfig, role: Any) -> Backend:
+        check_ucm_installation()
+        spec = resolve_store_spec(config)
+        hint = expected_value_size(getattr(self, "_kv_cache_config", None))
+        self._value_size_hint = hint
+        logger.info(
+            "UCMConnector: UCM store %s from %s (pipeline %s, backends %s)",
+            spec.connector_name, spec.source, spec.connector_config.get("store_pipeline"),
+            spec.connector_config.get("storage_backends"),
+        )
+        if _is_scheduler(role):
+            # Lookups only (UCM's device_id=-1 store); opened now so a bad config fails at start-up.
+            return UcmBackend(spec.as_entry(), value_size=hint, lookup_only=True)
+        # Worker: opened in register_kv_caches, once the KV layout gives the value size.
+        return UcmBackend(spec.as_entry())
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        assert self._worker is not None
+        size = self._worker.value_size
+        hint = getattr(self, "_value_size_hint", None)
+        if hint is not None and hint != size:
+            logger.warning(
+                "UCMConnector: KV value size %d differs from the %d expected from the KV-cache config "
+                "(matters only with UCM's posix_gc_enable)", size, hint,
+            )
+        backend = self.backend
+        if isinstance(backend, UcmBackend):
+            backend.open(size)
