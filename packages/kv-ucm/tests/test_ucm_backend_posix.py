@@ -139,8 +139,8 @@ def test_other_process_saved_this_process_loads_byte_exact(saved, tmp_path):
     sched_backend = UcmBackend(posix(kv), value_size=value_size, lookup_only=True)
     sched = StoreScheduler(backend=sched_backend, namespace=NS, rank_tags=[TAG], block_size=BS,
                            config=StoreConnectorConfig(), load_enabled=True, save_enabled=True)
-    req = SimpleNamespace(request_id="q", block_hashes=hashes + chain(1, b"other"), num_tokens=4 * BS + 1)
-    req.block_hashes = hashes  # the 5th block is partial: vLLM gives hashes for full blocks only
+    # 4 full blocks + 1 token (vLLM hashes full blocks only)
+    req = SimpleNamespace(request_id="q", block_hashes=hashes, num_tokens=4 * BS + 1)
     assert sched.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
     sched.close()
     sched_backend.close()

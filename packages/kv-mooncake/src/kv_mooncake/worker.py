@@ -382,6 +382,12 @@ class MooncakeWorker:
                              pcp_size=source.pcp_size, dcp_size=source.dcp_size, use_mla=self.use_mla)
 
     def _pull(self, req: PullRequest) -> None:
+        self._send_done(self._pull_and_report(req))
+
+    def _pull_and_report(self, req: PullRequest) -> list[tuple[str, msgspec.Struct]]:
+        """Pull, then report the request finished (or its blocks failed) to vLLM at once; returns
+        the DONE / FreeNow messages still owed to the prefill ranks. They go out after the report:
+        the blocks are already read, so the decode request need not wait for the prefill's ack."""
         start = time.monotonic()
         deadline = start + self.config.pull_timeout_s
         source = req.source
@@ -397,29 +403,34 @@ class MooncakeWorker:
                 nbytes += self._pull_from_rank(req, pull, prefill, counts[pull.source], deadline)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
             error = exc
-        finally:
-            # Always DONE, also after a failure: the prefill must not wait for us until expiry.
-            for rank, n in counts.items():
-                if n == 0:
-                    if self.decode_rank == DecodeRank(0, 0):  # one decode rank tells the idle ranks
-                        self._notify(self._peer_address(source, rank, prefill), P.FreeNow(request_id=source.request_id, reader_id=self.reader_id))
-            for pull in pulls:
-                self._notify(self._peer_address(source, pull.source, prefill),
-                             P.PullDone(request_id=source.request_id, reader_id=self.reader_id,
-                                        ok=error is None, expected_readers=counts[pull.source]))
-            if error is None:
-                self.stats.record_transfer(nbytes, time.monotonic() - start)
-            else:
-                logger.warning("MooncakeConnectorV1: pull of request %s (remote %s) failed after %.2fs: %s",
-                               req.request_id, source.request_id, time.monotonic() - start, error)
-                self.stats.record_failure("timeout" if "deadline" in str(error) else "pull")
-                self.ledger.record_failed_load(
-                    req.request_id, [g[req.skip_blocks:req.num_blocks] for g in req.local_block_ids]
-                )
-                self._handshakes = {k: v for k, v in self._handshakes.items() if k[1] != source.engine_id}
-            with self._lock:
-                self._pending_pulls.discard(req.request_id)
-                self._finished_recving.add(req.request_id)
+        if error is None:
+            self.stats.record_transfer(nbytes, time.monotonic() - start)
+        else:
+            logger.warning("MooncakeConnectorV1: pull of request %s (remote %s) failed after %.2fs: %s",
+                           req.request_id, source.request_id, time.monotonic() - start, error)
+            self.stats.record_failure("timeout" if "deadline" in str(error) else "pull")
+            self.ledger.record_failed_load(
+                req.request_id, [g[req.skip_blocks:req.num_blocks] for g in req.local_block_ids]
+            )
+            self._handshakes = {k: v for k, v in self._handshakes.items() if k[1] != source.engine_id}
+        # Always DONE, also after a failure: the prefill must not wait for us until expiry.
+        owed: list[tuple[str, msgspec.Struct]] = []
+        for rank, n in counts.items():
+            if n == 0 and self.decode_rank == DecodeRank(0, 0):  # one decode rank tells the idle ranks
+                owed.append((self._peer_address(source, rank, prefill),
+                             P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
+        for pull in pulls:
+            owed.append((self._peer_address(source, pull.source, prefill),
+                         P.PullDone(request_id=source.request_id, reader_id=self.reader_id,
+                                    ok=error is None, expected_readers=counts[pull.source])))
+        with self._lock:
+            self._pending_pulls.discard(req.request_id)
+            self._finished_recving.add(req.request_id)
+        return owed
+
+    def _send_done(self, owed: list[tuple[str, msgspec.Struct]]) -> None:
+        for address, message in owed:
+            self._notify(address, message)
 
     def _notify(self, address: str, message: msgspec.Struct) -> None:
         try:
