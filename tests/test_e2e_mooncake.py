@@ -114,9 +114,12 @@ def engines():
             e.wait_ready()
         print(f"\n[engines] 4 engines ready in {time.perf_counter() - t0:.1f}s")
         yield engs
-    finally:
-        for e in engs.values():
-            e.close()
+    finally:  # in parallel: each graceful shutdown takes seconds
+        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 40}) for e in engs.values()]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(60)
 
 
 def _prefill(engine: EngineProcess, prompts: list[list[int]], **params) -> list[dict]:
@@ -145,10 +148,14 @@ def test_1p1d_tokens_match_and_prefill_frees_everything(engines):
 def test_2p1d_each_request_pulls_from_its_prefill(engines):
     p1, p2, d = engines["p1"], engines["p2"], engines["d"]
     prompts = _prompts(4, seed=2)
+    t0 = time.perf_counter()
     reference = p1.generate(prompts)
+    t1 = time.perf_counter()
     params = _prefill(p1, prompts[:2]) + _prefill(p2, prompts[2:])
     assert {p["remote_port"] for p in params} == {P1_PORT, P2_PORT}
+    t2 = time.perf_counter()
     out = d.generate(prompts, _forward(params))
+    print(f"2P1D: reference {t1 - t0:.2f}s, prefills {t2 - t1:.2f}s, decode {time.perf_counter() - t2:.2f}s")
     assert_same_tokens(out, reference)
     assert out.num_cached_tokens == [len(p) for p in prompts], (out.num_cached_tokens, out.stderr_tail)
     _assert_clean(P1_PORT)

@@ -7,7 +7,10 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import torch
+import pytest
+
+torch = pytest.importorskip("torch")  # the worker side moves torch tensors
+
 from kv_common.backend import Backend
 from kv_common.embedded_backend import EmbeddedBackend
 from kv_common.store_connector import codec
