@@ -89,10 +89,15 @@ def test_make_backend_roles(tmp_path):
         worker.close()
 
 
-@pytest.mark.skipif(not HAVE_UCM, reason="needs UCM (Python 3.12)")
-def test_bad_store_directory_fails_at_start_up(tmp_path):
-    from kv_ucm.ucm_store import UcmError
+def test_missing_store_directory_fails_at_start_up(tmp_path, monkeypatch):
+    from kv_ucm import connector
+    from kv_ucm.config import UCMConfigError
 
+    monkeypatch.setattr(connector, "check_ucm_installation", lambda: None)
     stub = SimpleNamespace(_kv_cache_config=None)
-    with pytest.raises(UcmError, match="create"):
+    with pytest.raises(UCMConfigError, match="missing.*does not exist"):
         UCMConnector.make_backend(stub, _config(tmp_path / "missing"), ROLE.SCHEDULER)
+    cfg = parse_extra_config("UCMConnector", UCMConfig, {
+        "ucm_connector_config": {"store_pipeline": "Posix", "storage_backends": [str(tmp_path), str(tmp_path / "b")]}})
+    with pytest.raises(UCMConfigError, match="/b does not exist"):
+        UCMConnector.make_backend(stub, cfg, ROLE.WORKER)

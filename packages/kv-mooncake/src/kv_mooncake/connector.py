@@ -54,14 +54,16 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):
         else:
             model = vllm_config.model_config
             fp = vllm_compat.model_fingerprint(vllm_config)
-            tp_rank = vllm_compat.tp_rank()
+            ranks = vllm_compat.parallel_ranks()  # 0 where a group is not initialised
+            tp_rank, pcp_rank, dcp_rank = ranks["tp_rank"], ranks["pcp_rank"], ranks["dcp_rank"]
             use_mla = bool(fp["use_mla"])
             total_heads = 1 if use_mla else int(model.get_total_num_kv_heads())
             self._worker = MooncakeWorker(
                 self.config, engine_id=self.engine_id, is_producer=is_producer, is_consumer=is_consumer,
                 side_channel_port=port,
-                # Context-parallel ranks are not wired on CPU (PCP/DCP need GPU attention backends).
-                prefill_rank=PrefillRank(tp_rank, 0), decode_rank=DecodeRank(tp_rank, 0),
+                # PCP/DCP ranks come from vLLM's groups (all 0 on CPU: PCP/DCP need GPU attention backends).
+                prefill_rank=PrefillRank(tp_rank, pcp_rank * par["dcp"] + dcp_rank),
+                decode_rank=DecodeRank(tp_rank, dcp_rank),
                 prefill_layout=PrefillLayout(tp_size=par["tp"], total_kv_heads=total_heads,
                                              pcp_size=par["pcp"], dcp_size=par["dcp"], use_mla=use_mla),
                 decode_layout=DecodeLayout(tp_size=par["tp"], dcp_size=par["dcp"]),
@@ -134,6 +136,13 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):
         from kv_mooncake.stats import MooncakeConnectorStats
 
         return MooncakeConnectorStats.build(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from kv_mooncake.stats import build_prom_metrics
+
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def leak_report(self) -> dict[str, int]:
         return self._worker.leak_report() if self._worker else {"held_blocks": 0, "pending_pulls": 0}

@@ -171,8 +171,8 @@ class MooncakeWorker:
             if self.is_producer:
                 port = self.side_channel_port + self.prefill_rank.index(self.prefill_layout)
             else:
-                port = self.side_channel_port + self.decode_rank.tp_rank * self.decode_layout.dcp_size \
-                    + self.decode_rank.dcp_rank
+                port = self.side_channel_port + self.decode_rank.dcp_rank * self.decode_layout.tp_size \
+                    + self.decode_rank.tp_rank  # the order of DecodeLayout.ranks()
             self.server = side_channel.SideChannelServer(
                 self.config.side_channel_host, port, self.handle, P.REQUEST_TYPES,
                 self.config.max_message_bytes, name=f"mooncake-side-channel:{port}",

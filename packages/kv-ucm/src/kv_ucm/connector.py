@@ -14,12 +14,13 @@ On a CPU host the store that moves data is UCM's ``Posix`` pipeline (local disk 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from kv_common.backend import Backend
 from kv_common.store_connector.connector import StoreConnectorBase
 
-from kv_ucm.config import UCMConfig, resolve_store_spec
+from kv_ucm.config import UCMConfig, UCMConfigError, UcmStoreSpec, resolve_store_spec
 from kv_ucm.ucm_backend import UcmBackend
 from kv_ucm.ucm_store import check_ucm_installation
 
@@ -42,6 +43,22 @@ def expected_value_size(kv_cache_config: Any) -> int | None:
     return total + codec.TRAILER_SIZE if total > 0 else None
 
 
+def check_storage_backends(spec: UcmStoreSpec) -> None:
+    """UCM's Posix store needs its directories to exist (it reports a bare "-50002, 2" otherwise).
+    They are not created here: an NFS mount point that is missing must not become a local dir."""
+    cfg = spec.connector_config
+    if "Posix" not in str(cfg.get("store_pipeline", "")).split("|"):
+        return
+    raw = cfg.get("storage_backends") or []
+    dirs = [p for p in str(raw).split(":") if p] if isinstance(raw, (str, os.PathLike)) else [str(p) for p in raw]
+    missing = [d for d in dirs if not os.path.isdir(d)]
+    if missing:
+        raise UCMConfigError(
+            f"UCMConnector: storage_backends directory {', '.join(missing)} does not exist ({spec.source}); "
+            "create it (or mount the NFS share) before starting vLLM"
+        )
+
+
 def _is_scheduler(role: Any) -> bool:
     return getattr(role, "name", str(role)).upper().endswith("SCHEDULER")
 
@@ -53,6 +70,7 @@ class UCMConnector(StoreConnectorBase):
     def make_backend(self, config: UCMConfig, role: Any) -> Backend:
         check_ucm_installation()
         spec = resolve_store_spec(config)
+        check_storage_backends(spec)
         hint = expected_value_size(getattr(self, "_kv_cache_config", None))
         self._value_size_hint = hint
         logger.info(
