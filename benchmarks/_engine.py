@@ -277,7 +277,7 @@ def _connector_config(
         return {
             "kv_connector": "UCMConnector",
             "kv_role": role,
-            "kv_connector_extra_config": {"storage_path": str(workdir / "ucm")},
+            "kv_connector_extra_config": {},
         }, env
     if name == "kv-mooncake P2P":
         port = port_base or free_port()

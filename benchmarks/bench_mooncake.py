@@ -109,7 +109,6 @@ class _Prefill:
 def measure(block_bytes: int, total_bytes: int, reps: int) -> dict[str, list[float]]:
     """Seconds per pull of ``total_bytes`` through the connector path and the raw engine."""
     import numpy as np
-
     from kv_mooncake.metadata import PullRequest, RemoteSource
     from kv_mooncake.pull_plan import PrefillRank, plan_pulls, request_seed
 
@@ -137,7 +136,7 @@ def measure(block_bytes: int, total_bytes: int, reps: int) -> dict[str, list[flo
                               request_seed(rid))[0]
             assert pull.source == PrefillRank(0, 0)
 
-            def connector() -> float:
+            def connector(rid: str = rid, req: PullRequest = req) -> float:
                 decode._pending_pulls.add(rid)
                 t0 = time.perf_counter()
                 # The worker path, synchronously (vLLM runs it on the pull pool), up to the moment
@@ -150,7 +149,7 @@ def measure(block_bytes: int, total_bytes: int, reps: int) -> dict[str, list[flo
                 decode.get_finished()
                 return seconds
 
-            def raw() -> float:
+            def raw(pull=pull, remote_ids: list[int] = remote_ids, local_ids: list[int] = local_ids) -> float:
                 hs = next(iter(decode._handshakes.values()))
                 local, remote, lengths = [], [], []
                 for li, name in enumerate(decode.cache.layer_names):  # type: ignore[union-attr]
@@ -220,8 +219,9 @@ def _plot(rows: list[tuple[int, float, float]]) -> str:
 def run(quick: bool) -> Section:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     total = (32 if quick else 128) * MIB
-    reps = 3 if quick else 5
+    reps = 5 if quick else 9
     rows: list[tuple[int, float, float]] = []
+    paired: dict[int, float] = {}
     notes: list[str] = []
     for b in BLOCK_SIZES:
         try:
@@ -230,22 +230,33 @@ def run(quick: bool) -> Section:
             notes.append(f"{b // KIB} KiB: {type(exc).__name__}: {exc}")
             continue
         rows.append((b, total / median(t["connector"]) / 1e9, total / median(t["raw"]) / 1e9))
+        # Each run pulls with both paths back to back: the per-run ratio cancels most of the load
+        # drift other processes cause on a shared machine.
+        paired[b] = median([r / c for c, r in zip(t["connector"], t["raw"], strict=True)])
     tab = table(
-        ["block size", "blocks per pull", "connector GB/s", "raw TE GB/s", "connector / raw"],
-        [[f"{b // KIB} KiB", total // b, c, r, ratio(c, r)] for b, c, r in rows],
+        ["block size", "blocks per pull (all layers)", "connector GB/s", "raw TE GB/s",
+         "ratio of medians", "median paired ratio"],
+        [[f"{b // KIB} KiB", total // b, c, r, ratio(c, r), paired[b]] for b, c, r in rows],
     )
     return Section(
         title="MooncakeConnectorV1: worker pull path vs raw TransferEngine",
         summary=(
             f"One pull of {total // MIB} MiB ({NUM_LAYERS} layers, scattered block ids on both sides) per run, "
-            f"median of {reps} runs after a warm-up, two processes on loopback TCP. 'connector' is the "
+            f"median of {reps} runs after a warm-up (the two paths back to back in each run, alternating "
+            "which goes first), two processes on loopback TCP. 'connector' is the "
             "decode worker's pull path (plan, PullStarted lease with the block ids, chunked TE reads, PullDone); "
             "'raw' is the same engine reading the same blocks with batch_transfer_sync_read, no side channel. "
-            "Target: connector / raw >= 0.9."
+            "The paired ratio (connector / raw within each run, then the median) is the number to read "
+            "on a shared machine. Target: connector / raw >= 0.9."
         ),
         tables=[tab],
         plots=[_plot(rows)] if rows else [],
-        notes=notes,
+        notes=notes + [
+            "The connector path adds a fixed cost per pull, mostly the PullStarted side-channel round trip "
+            "(kv_common.side_channel opens a ZMQ connection per request): about 5 ms on this machine, so "
+            "pulls of 8 MiB ran at about 0.6 of raw and pulls of 32 MiB or more at about 1.0. A 4k-token "
+            "prompt of a 32-layer, 8-KV-head fp16 model is 512 MiB."
+        ],
     )
 
 

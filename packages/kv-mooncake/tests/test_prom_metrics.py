@@ -9,9 +9,8 @@ prometheus_client = pytest.importorskip("prometheus_client")
 
 
 def test_stats_dict_becomes_prometheus_samples():
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
     from kv_mooncake.connector import MooncakeConnectorV1
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     registry = CollectorRegistry()
 

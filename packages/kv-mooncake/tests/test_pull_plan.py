@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
 from kv_mooncake.pull_plan import (
     DecodeLayout,
     PlanError,
@@ -65,8 +64,8 @@ def test_every_needed_piece_arrives_exactly_once(layout, num_blocks, skip, seed)
                 assert block % prefill.cp_size == pull.source.cp_rank
                 assert block // prefill.cp_size == src_pos
                 for span in pull.spans:
-                    assert 0 <= span.src_head and span.src_head + span.num_heads <= src_count
-                    assert 0 <= span.dst_head and span.dst_head + span.num_heads <= count
+                    assert span.src_head >= 0 and span.src_head + span.num_heads <= src_count
+                    assert span.dst_head >= 0 and span.dst_head + span.num_heads <= count
                     for k in range(span.num_heads):
                         head = src_first + span.src_head + k
                         assert head == first + span.dst_head + k  # the same head lands in place

@@ -8,7 +8,6 @@ import time
 import msgspec
 import pytest
 import zmq
-
 from kv_common import side_channel
 from kv_mooncake import protocol as P
 from kv_mooncake.config import MooncakeConfig

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from kv_common import vllm_compat
+
 from kv_mooncake.config import load_config
 from kv_mooncake.metadata import MooncakeStep
 from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank

@@ -28,7 +28,7 @@ class Compatibility(msgspec.Struct, frozen=True, kw_only=True):
     use_mla: bool
     layout: str = "cpu:[blocks,heads,block_size,2*head_size]"
 
-    def differences(self, other: "Compatibility") -> list[str]:
+    def differences(self, other: Compatibility) -> list[str]:
         return [
             f"{name} {getattr(self, name)!r} vs {getattr(other, name)!r}"
             for name in self.__struct_fields__

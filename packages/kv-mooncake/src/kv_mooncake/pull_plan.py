@@ -42,7 +42,7 @@ class PrefillLayout:
     def world_size(self) -> int:
         return self.tp_size * self.cp_size
 
-    def ranks(self) -> list["PrefillRank"]:
+    def ranks(self) -> list[PrefillRank]:
         return [PrefillRank(t, c) for c in range(self.cp_size) for t in range(self.tp_size)]
 
 
@@ -56,7 +56,7 @@ class DecodeLayout:
     def world_size(self) -> int:
         return self.tp_size * self.dcp_size
 
-    def ranks(self) -> list["DecodeRank"]:
+    def ranks(self) -> list[DecodeRank]:
         return [DecodeRank(t, d) for d in range(self.dcp_size) for t in range(self.tp_size)]
 
 

@@ -12,8 +12,8 @@ import logging
 from typing import Any
 
 import msgspec
-
 from kv_common.metadata import KVTransferParams
+
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource
 

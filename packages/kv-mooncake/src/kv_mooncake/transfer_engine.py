@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class MooncakeTransferEngine:
         remote_addrs: Sequence[int],
         lengths: Sequence[int],
         deadline: float | None = None,
-        on_chunk: "callable | None" = None,
+        on_chunk: callable | None = None,
     ) -> int:
         """Read ``remote -> local`` in chunks of at most ``max_inflight`` requests; returns bytes.
 

@@ -15,16 +15,17 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
-
 from kv_common import side_channel
 from kv_common.delayed_free import DelayedFreeTracker
 from kv_common.failure_ledger import FailureLedger
 from kv_common.stats import TransferStatsBase
+
 from kv_mooncake import protocol as P
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource

@@ -37,11 +37,11 @@ def make_backend(config: StoreConfig, role: Any = None) -> Backend:
 
 
 def make_embedded_backend(config: StoreConfig, role: Any = None) -> Backend:
-    from kv_common.embedded_backend import EmbeddedBackend
+    from kv_store.embedded import EmbeddedStoreBackend
 
     opts = config.embedded
     spill_dir = opts.spill_dir or default_spill_dir()
-    return EmbeddedBackend(
+    return EmbeddedStoreBackend(
         capacity_bytes=opts.capacity_bytes,
         spill_dir=spill_dir,
         write_through=opts.write_through,

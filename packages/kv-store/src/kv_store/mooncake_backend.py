@@ -139,6 +139,71 @@ class MooncakeBackend(Backend):
                 out.append(int(code))
         return out
 
+    # ---- zero-copy parts (kv_common.store_connector's optional protocol) ----------------------
+    def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Each value from several registered buffers (KV slices + trailer), no gather copy."""
+        if not self._ready or not keys:
+            return [False] * len(keys)
+        ptrs, sizes = self._part_addresses(parts)
+        if ptrs is None:
+            return self.batch_put(keys, [b"".join(p) for p in parts])
+        codes = self._store.batch_put_from_multi_buffers(list(keys), ptrs, sizes)
+        out = []
+        for code in codes:
+            if code < 0:
+                self._warn_once("put", code)
+            out.append(code == 0)
+        return out
+
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[int]:
+        """Each value straight into several registered buffers (KV slices + trailer)."""
+        if not self._ready or not keys:
+            return [-1] * len(keys)
+        ptrs, sizes = self._part_addresses(parts)
+        out: list[int] = []
+        if ptrs is None:
+            for key, bufs in zip(keys, parts, strict=True):
+                data = self._store.get(key)
+                total = sum(len(b) for b in bufs)
+                if not data or len(data) != total:
+                    out.append(-1)
+                    continue
+                src, offset = memoryview(data), 0
+                for buf in bufs:
+                    buf[:] = src[offset : offset + len(buf)]
+                    offset += len(buf)
+                out.append(total)
+            return out
+        codes = self._store.batch_get_into_multi_buffers(list(keys), ptrs, sizes)
+        for code, size in zip(codes, sizes, strict=True):
+            if code < 0:
+                if code != OBJECT_NOT_FOUND:
+                    self._warn_once("get", code)
+                out.append(-1)
+            elif int(code) != sum(size):
+                out.append(-1)  # a value of another size: never partial KV
+            else:
+                out.append(int(code))
+        return out
+
+    def _part_addresses(
+        self, parts: Sequence[Sequence[memoryview]]
+    ) -> tuple[list[list[int]], list[list[int]]] | tuple[None, None]:
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for bufs in parts:
+            row_p, row_s = [], []
+            for buf in bufs:
+                view = memoryview(buf).cast("B")
+                address = buffer_address(view)
+                if not self._is_registered(address, len(view)):
+                    return None, None
+                row_p.append(address)
+                row_s.append(len(view))
+            ptrs.append(row_p)
+            sizes.append(row_s)
+        return ptrs, sizes
+
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         if not self._ready:
             return [None] * len(keys)

@@ -72,6 +72,7 @@ class UcmBackend(Backend):
             "get_errors": 0,
             "size_mismatch": 0,
         }
+        self._count_lock = threading.Lock()  # saves and loads run on different threads
         self._last_log: dict[str, float] = {}
         self._closed = False
         if value_size is not None:
@@ -131,6 +132,11 @@ class UcmBackend(Backend):
     def store(self) -> UcmStore | None:
         return self._store
 
+    def _count(self, name: str, n: int) -> None:
+        if n:
+            with self._count_lock:
+                self.counters[name] += n
+
     def _log(self, what: str, message: str, *args: Any) -> None:
         now = time.monotonic()
         if now - self._last_log.get(what, -1e9) >= _LOG_EVERY_S:
@@ -161,13 +167,13 @@ class UcmBackend(Backend):
             sizes = {v.nbytes for v in views}
             store = self._transfer_store(views[0].nbytes)
             if store is None:
-                self.counters["size_mismatch"] += len(keys)
+                self._count("size_mismatch", len(keys))
                 self._log("size", "UCM dump: values of %s bytes, the store holds %s-byte values", sizes, self.value_size)
-                self.counters["put_failed"] += len(keys)
+                self._count("put_failed", len(keys))
                 return results
             ids = [ucm_key_id(k) for k in keys]
             todo = [i for i, v in enumerate(views) if v.nbytes == self.value_size]
-            self.counters["size_mismatch"] += len(keys) - len(todo)
+            self._count("size_mismatch", len(keys) - len(todo))
             # A key that already exists keeps its value (UCM itself would overwrite it).
             present = store.lookup([ids[i] for i in todo])
             for i, p in zip(todo, present, strict=True):
@@ -178,11 +184,11 @@ class UcmBackend(Backend):
                 for i, good in zip(todo, ok, strict=True):
                     results[i] = bool(good)
         except (UcmError, ValueError, OSError) as exc:
-            self.counters["put_errors"] += 1
+            self._count("put_errors", 1)
             self._log("put", "UCM dump of %d block(s) failed: %s", len(keys), exc)
         good = sum(results)
-        self.counters["put_ok"] += good
-        self.counters["put_failed"] += len(keys) - good
+        self._count("put_ok", good)
+        self._count("put_failed", len(keys) - good)
         if good < len(keys):
             self._log("put_failed", "UCM dump: %d of %d block(s) not stored", len(keys) - good, len(keys))
         return results
@@ -197,22 +203,22 @@ class UcmBackend(Backend):
         try:
             store = self._transfer_store(views[0].nbytes)
             if store is None:
-                self.counters["size_mismatch"] += len(keys)
-                self.counters["get_missed"] += len(keys)
+                self._count("size_mismatch", len(keys))
+                self._count("get_missed", len(keys))
                 return results
             todo = [i for i, v in enumerate(views) if v.nbytes == self.value_size]
-            self.counters["size_mismatch"] += len(keys) - len(todo)
+            self._count("size_mismatch", len(keys) - len(todo))
             if todo:
                 ok = store.load([ucm_key_id(keys[i]) for i in todo], [views[i] for i in todo])
                 for i, good in zip(todo, ok, strict=True):
                     if good:
                         results[i] = views[i].nbytes
         except (UcmError, ValueError, OSError) as exc:
-            self.counters["get_errors"] += 1
+            self._count("get_errors", 1)
             self._log("get", "UCM load of %d block(s) failed: %s", len(keys), exc)
         hits = sum(1 for r in results if r >= 0)
-        self.counters["get_ok"] += hits
-        self.counters["get_missed"] += len(keys) - hits
+        self._count("get_ok", hits)
+        self._count("get_missed", len(keys) - hits)
         return results
 
     def close(self) -> None:

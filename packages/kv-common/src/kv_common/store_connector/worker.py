@@ -5,6 +5,12 @@
   block works, since whole blocks move.
 - Values: one per block, all layers concatenated in registration order, then a checksum trailer
   (``codec``). Gathers and scatters go through a staging buffer registered with the backend once.
+- Zero-copy "parts" path: a backend that also offers ``batch_put_parts(keys, parts)`` and
+  ``batch_get_parts(keys, parts)`` (each value given as a list of buffers: one block slice per
+  layer, then its 16-byte trailer) moves values straight between the paged KV cache and the store:
+  no staging copy, the checksum computed and verified over the KV slices in place. The worker
+  registers every layer's KV tensor with such a backend (``register_buffer``). Layer-wise loads
+  still go through staging (each layer is scattered separately).
 - Loads: in ``start_load_kv`` before the forward ("sync"), or fetched in the background and
   scattered per layer in ``wait_for_layer_load`` ("layerwise"). A missing, resized or corrupt value
   becomes a load error for that block and every later block of the request (all KV-cache groups),
@@ -44,6 +50,11 @@ class _Layer:
     offset: int  # where this layer's bytes start inside a value
     nbytes: int
     group: int
+    flat: memoryview | None = None  # the layer's whole KV tensor as bytes (parts path)
+
+    def block(self, block_id: int) -> memoryview:
+        assert self.flat is not None
+        return self.flat[block_id * self.nbytes : (block_id + 1) * self.nbytes]
 
 
 class _Staging:
@@ -117,6 +128,14 @@ class StoreWorker:
         self._fetch: Future | None = None
         self._scattered: set[int] = set()
         self._closed = False
+        # Zero-copy parts path (see module docstring); decided for good in register_kv_caches.
+        self._parts = callable(getattr(backend, "batch_put_parts", None)) and callable(
+            getattr(backend, "batch_get_parts", None)
+        )
+        self._registered_kv: list[memoryview] = []
+        self._save_trailers: memoryview | None = None
+        self._load_trailers: memoryview | None = None
+        self._trailer_tensors: list[torch.Tensor] = []
 
     # ---- layout ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -138,10 +157,55 @@ class StoreWorker:
         self.value_size = offset + codec.TRAILER_SIZE
         self._save_staging = _Staging(self.value_size, self.config.staging_bytes, self.backend)
         self._load_staging = _Staging(self.value_size, self.config.staging_bytes, self.backend)
+        if self._parts:
+            self._parts = self._setup_parts(kv_caches)
         logger.info(
-            "store worker: %d layers, %d bytes per block value, %d staging slots",
+            "store worker: %d layers, %d bytes per block value, %d staging slots, %s path",
             len(self._layers), self.value_size, self._save_staging.slots,
+            "zero-copy parts" if self._parts else "staging",
         )
+
+    def _setup_parts(self, kv_caches: dict[str, torch.Tensor]) -> bool:
+        """Register the KV tensors and two trailer areas; False (staging path) when it fails."""
+        slots = self._save_staging.slots if self._save_staging is not None else 1
+        seen: set[tuple[int, int]] = set()
+        try:
+            for layer, tensor in zip(self._layers, kv_caches.values(), strict=True):
+                flat = tensor.view(torch.uint8).reshape(-1)
+                layer.flat = memoryview(flat.numpy()).cast("B")
+                span = (flat.data_ptr(), flat.numel())
+                if span not in seen:  # layers may share one allocation
+                    seen.add(span)
+                    self.backend.register_buffer(layer.flat)
+                    self._registered_kv.append(layer.flat)
+            for _ in range(2):
+                tensor = torch.zeros(slots * codec.TRAILER_SIZE, dtype=torch.uint8)
+                view = memoryview(tensor.numpy()).cast("B")
+                self.backend.register_buffer(view)
+                self._registered_kv.append(view)
+                self._trailer_tensors.append(tensor)
+            self._save_trailers, self._load_trailers = self._registered_kv[-2], self._registered_kv[-1]
+            return True
+        except Exception as exc:  # noqa: BLE001 - e.g. overlapping registrations: use staging
+            logger.warning("store worker: zero-copy path unavailable (%s); using staging buffers", exc)
+            self._unregister_parts()
+            return False
+
+    def _unregister_parts(self) -> None:
+        for view in self._registered_kv:
+            try:
+                self.backend.unregister_buffer(view)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        self._registered_kv = []
+        for layer in self._layers:
+            layer.flat = None
+
+    def _block_parts(self, transfer: BlockTransfer, i: int, trailers: memoryview, slot: int) -> list[memoryview]:
+        parts = [layer.block(transfer.block_ids[layer.group][i]) for layer in self._layers]
+        ts = codec.TRAILER_SIZE
+        parts.append(trailers[slot * ts : (slot + 1) * ts])
+        return parts
 
     def _keys(self, hashes: Sequence[bytes]) -> list[str]:
         return keys_mod.block_keys(self.namespace, self.rank_tag, hashes)
@@ -178,6 +242,9 @@ class StoreWorker:
             logger.warning("store save of %s skipped: exists check failed (%s)", transfer.request_id, exc)
             return
         todo = [i for i, p in enumerate(present) if not p]
+        if self._parts:
+            self._save_parts(transfer, keys, todo)
+            return
         # Runs of consecutive blocks to save, chunked to the staging size.
         for lo, hi in _chunks(len(todo), staging.slots):
             idx = todo[lo:hi]
@@ -197,15 +264,37 @@ class StoreWorker:
             except Exception as exc:  # noqa: BLE001
                 ok = [False] * n
                 logger.warning("store put failed for %s: %s", transfer.request_id, exc)
-            seconds = time.perf_counter() - t0
-            stored = [h for h, good in zip(sub.block_hashes, ok, strict=True) if good]
-            self.stats.record_put(len(stored) * self.value_size, seconds)
-            self.stats.incr("blocks_saved", len(stored))
-            if len(stored) < n:
-                self.stats.record_failure("put_failed")
-                self.stats.incr("blocks_save_failed", n - len(stored))
-            with self._lock:
-                self._report.stored.extend(stored)
+            self._record_put(sub.block_hashes, ok, time.perf_counter() - t0)
+
+    def _record_put(self, hashes: Sequence[bytes], ok: Sequence[bool], seconds: float) -> None:
+        n = len(hashes)
+        stored = [h for h, good in zip(hashes, ok, strict=True) if good]
+        self.stats.record_put(len(stored) * self.value_size, seconds)
+        self.stats.incr("blocks_saved", len(stored))
+        if len(stored) < n:
+            self.stats.record_failure("put_failed")
+            self.stats.incr("blocks_save_failed", n - len(stored))
+        with self._lock:
+            self._report.stored.extend(stored)
+
+    def _save_parts(self, transfer: BlockTransfer, keys: Sequence[str], todo: Sequence[int]) -> None:
+        trailers = self._save_trailers
+        assert trailers is not None
+        slots = len(trailers) // codec.TRAILER_SIZE
+        for lo, hi in _chunks(len(todo), slots):
+            idx = todo[lo:hi]
+            values = []
+            for slot, i in enumerate(idx):
+                parts = self._block_parts(transfer, i, trailers, slot)
+                codec.seal_parts(parts[:-1], parts[-1], self.config.checksum)
+                values.append(parts)
+            t0 = time.perf_counter()
+            try:
+                ok = self.backend.batch_put_parts([keys[i] for i in idx], values)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001
+                ok = [False] * len(idx)
+                logger.warning("store put failed for %s: %s", transfer.request_id, exc)
+            self._record_put([transfer.block_hashes[i] for i in idx], ok, time.perf_counter() - t0)
 
     def wait_for_request_saves(self, request_ids: Sequence[str]) -> None:
         """Block until the saves of ``request_ids`` finished (their blocks are about to be reused)."""
@@ -283,11 +372,51 @@ class StoreWorker:
                 used += hi - lo
         return [r for r in rounds if r]
 
+    def _load_parts(self, transfer: BlockTransfer) -> int:
+        """Fetch ``transfer`` straight into its KV blocks; verify; record failures. Blocks at and
+        after the first bad one are reported for recompute (whatever landed in them)."""
+        trailers = self._load_trailers
+        assert trailers is not None
+        n = len(transfer.block_hashes)
+        keys = self._keys(transfer.block_hashes)
+        values = [self._block_parts(transfer, i, trailers, i) for i in range(n)]
+        t0 = time.perf_counter()
+        try:
+            results = self.backend.batch_get_parts(keys, values)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - a dead store is a miss
+            logger.warning("store get failed for %s: %s", transfer.request_id, exc)
+            results = [-1] * n
+        seconds = time.perf_counter() - t0
+        good, why = 0, ""
+        for i in range(n):
+            if results[i] < 0:
+                why = "miss"
+                break
+            problem = codec.check_parts(values[i][:-1], values[i][-1], results[i])
+            if problem is not None:
+                why = f"corrupt ({problem})"
+                break
+            good += 1
+        self.stats.record_get(good * self.value_size, seconds)
+        self.stats.incr("blocks_loaded", good)
+        if good < n:
+            self._fail(transfer, good, why)
+        return good
+
     def load_sync(self, plan: StorePlan) -> None:
         staging = self._load_staging
         if staging is None or not plan.loads:
             return
         failed: set[str] = set()
+        if self._parts:
+            assert self._load_trailers is not None
+            for part in self._rounds(plan.loads, len(self._load_trailers) // codec.TRAILER_SIZE):
+                for transfer in part:
+                    if transfer.request_id in failed:
+                        self.ledger.record_failed_load(transfer.request_id, transfer.block_ids)
+                    elif self._load_parts(transfer) < len(transfer.block_hashes):
+                        failed.add(transfer.request_id)
+            return
         for round_loads in self._rounds(plan.loads, staging.slots):
             todo = []
             for part in round_loads:
@@ -384,3 +513,4 @@ class StoreWorker:
         for staging in (self._save_staging, self._load_staging):
             if staging is not None:
                 staging.close()
+        self._unregister_parts()

@@ -1,0 +1,246 @@
+"""Store path: put / get throughput through AscendStoreConnector's worker against the raw backend.
+
+No engine: a ``StoreWorker`` (the connector's worker side, exactly as vLLM drives it) over real
+CPU KV tensors in vLLM's CPU layout (``[num_blocks, num_kv_heads, block_size, 2*head_size]`` per
+layer), saving with ``submit_saves`` + ``wait_for_request_saves`` and loading with ``load_sync``.
+The raw backend moves the same bytes (one value per block, from / into one registered buffer)
+with ``batch_put`` / ``batch_get_into`` in the same run, alternating with the connector per
+repetition. Backends: ``embedded`` (in-memory, no spill directory: the connector's overhead is
+not hidden behind file I/O) and ``mooncake`` (a real ``mooncake_master`` started here, one client
+holding the segment). The connector column includes everything the worker does: existence check
+before a put, checksum (crc32) on put and verify on get, key building, plan handling.
+
+``python -m benchmarks --only bench_store [--quick]``
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.report import ROOT, Section, median, plot_path, progress, table
+
+LAYERS, KV_HEADS, HEAD_SIZE = 4, 4, 64  # fp32: 8 KiB per token over all layers
+TOKEN_BYTES = LAYERS * KV_HEADS * 2 * HEAD_SIZE * 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Master:
+    def __init__(self) -> None:
+        binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+        if not Path(binary).exists():
+            raise FileNotFoundError("mooncake_master not installed (pip install kv-store[mooncake])")
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [binary, f"-rpc_port={self.port}", "-rpc_address=127.0.0.1", "-metrics_host=127.0.0.1",
+             f"-metrics_port={_free_port()}",
+             "-default_kv_lease_ttl=50"],  # the bench removes its keys 0.1 s after reading them
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.05)
+        self.close()
+        raise RuntimeError("mooncake_master did not start")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def _backend(name: str, master: _Master | None, total_bytes: int):
+    if name == "embedded":
+        from kv_store.embedded import EmbeddedStoreBackend
+
+        return EmbeddedStoreBackend(capacity_bytes=8 * total_bytes)
+    from kv_store.mooncake_backend import MooncakeBackend
+
+    assert master is not None
+    return MooncakeBackend({
+        "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "device_name": "",
+        "master_server_address": master.address, "global_segment_size": 6 * total_bytes,
+        "local_buffer_size": 64 << 20,
+    }, setup_retries=1, setup_timeout_s=30)
+
+
+def _remove(backend, keys: list[str]) -> None:
+    if backend.name == "mooncake":
+        time.sleep(0.1)  # a read leases the object for -default_kv_lease_ttl (untimed)
+    backend.batch_remove(keys)
+
+
+def _measure(backend, value_bytes: int, total_bytes: int, reps: int, staging: bool) -> dict:
+    import torch
+    from kv_common.store_connector.config import StoreConnectorConfig
+    from kv_common.store_connector.metadata import BlockTransfer, StorePlan
+    from kv_common.store_connector.worker import StoreWorker
+
+    block_size = value_bytes // TOKEN_BYTES
+    n = max(4, total_bytes // value_bytes)
+    torch.manual_seed(0)
+    caches = {f"layer{i}": torch.randn(2 * n, KV_HEADS, block_size, 2 * HEAD_SIZE) for i in range(LAYERS)}
+    worker = StoreWorker(backend=backend, namespace="bench", rank_tag="r0",
+                         config=StoreConnectorConfig(staging_bytes=max(64 << 20, 2 * n * value_bytes)))
+    if staging:
+        worker._parts = False  # the gather/scatter path (backends without the parts protocol)
+    worker.register_kv_caches(caches)
+    vsize = worker.value_size
+    raw = torch.empty(n * vsize, dtype=torch.uint8)
+    raw_view = memoryview(raw.numpy()).cast("B")
+    backend.register_buffer(raw_view)
+    # the raw side moves the very bytes the connector stores: one value per block, trailer included
+    for i in range(n):
+        off = 0
+        for layer in caches.values():
+            chunk = layer[i].view(torch.uint8).reshape(-1)
+            raw[i * vsize + off : i * vsize + off + chunk.numel()] = chunk
+            off += chunk.numel()
+    views = [raw_view[i * vsize : (i + 1) * vsize] for i in range(n)]
+    out = {k: [] for k in ("put_raw", "put_conn", "get_raw", "get_conn")}
+    nbytes = n * vsize
+    try:
+        for rep in range(reps + 1):  # rep 0 warms up (page faults, first registration)
+            hashes = [f"{value_bytes}-{rep}-{i}".encode().ljust(32, b"\0") for i in range(n)]
+            raw_keys = [f"raw/{value_bytes}/{rep}/{i}" for i in range(n)]
+            conn_keys = worker._keys(hashes)
+            order = ("conn", "raw") if rep % 2 else ("raw", "conn")
+            for side in order:
+                if side == "raw":
+                    t0 = time.perf_counter()
+                    ok = backend.batch_put(raw_keys, views)
+                    t1 = time.perf_counter()
+                    got = backend.batch_get_into(raw_keys, views)
+                    t2 = time.perf_counter()
+                    assert all(ok) and all(g == vsize for g in got), (ok, got)
+                    _remove(backend, raw_keys)
+                else:
+                    save = BlockTransfer(request_id=f"s{rep}", block_hashes=hashes, block_ids=[list(range(n))])
+                    load = BlockTransfer(request_id=f"l{rep}", block_hashes=hashes, block_ids=[list(range(n, 2 * n))])
+                    t0 = time.perf_counter()
+                    worker.submit_saves(StorePlan(saves=[save]))
+                    worker.wait_for_request_saves([save.request_id])
+                    t1 = time.perf_counter()
+                    worker.load_sync(StorePlan(loads=[load]))
+                    t2 = time.perf_counter()
+                    assert not worker.ledger.take_block_ids_with_load_errors()
+                    assert worker.get_finished({save.request_id}) == {save.request_id}
+                    _remove(backend, conn_keys)
+                if rep:
+                    out[f"put_{side}"].append(nbytes / (t1 - t0) / 1e9)
+                    out[f"get_{side}"].append(nbytes / (t2 - t1) / 1e9)
+        first = next(iter(caches.values()))
+        assert torch.equal(first[n:], first[:n]), "loaded KV differs from saved KV"
+    finally:
+        worker.close(10)
+        backend.unregister_buffer(raw_view)
+    return {k: median(v) for k, v in out.items()} | {"blocks": n}
+
+
+def run(quick: bool) -> Section:
+    sizes = [128 << 10, 512 << 10, 2 << 20] if quick else [128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20]
+    reps = 3 if quick else 5
+    total = (32 if quick else 64) << 20
+    section = Section(
+        title="Store path: AscendStoreConnector worker vs raw backend",
+        summary=(
+            "Put and get throughput (GB/s of block values) through the connector's worker "
+            "(`StoreWorker` saving from and loading into real CPU KV tensors: "
+            f"{LAYERS} layers x {KV_HEADS} KV heads x head size {HEAD_SIZE}, fp32) against the same "
+            f"backend's raw `batch_put` / `batch_get_into` of the same bytes, {total >> 20} MiB per "
+            f"repetition, median of {reps} repetitions, connector and raw alternating. `ratio` = "
+            "connector / raw (target 0.9 or more). `staging` is the worker's gather/scatter path "
+            "(used for backends without the zero-copy parts protocol), for comparison."
+        ),
+    )
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    backends = ["embedded"]
+    master = None
+    try:
+        import mooncake.store  # noqa: F401
+
+        master = _Master()
+        backends.append("mooncake")
+    except Exception as exc:  # noqa: BLE001
+        section.notes.append(f"mooncake not measured: {type(exc).__name__}: {exc}")
+    rows, results, instances = [], {}, {}
+    try:
+        jobs = [(b, s) for b in backends for s in sizes]
+        for name, size in progress(jobs, total=len(jobs), desc="store"):
+            if name not in instances:
+                instances[name] = _backend(name, master, total)
+            r = _measure(instances[name], size, total, reps, staging=False)
+            st = _measure(instances[name], size, total, reps, staging=True)
+            results[(name, size)] = (r, st)
+            rows.append([
+                name, f"{size >> 10} KiB", r["blocks"],
+                r["put_raw"], r["put_conn"], r["put_conn"] / r["put_raw"], st["put_conn"] / st["put_raw"],
+                r["get_raw"], r["get_conn"], r["get_conn"] / r["get_raw"], st["get_conn"] / st["get_raw"],
+            ])
+    finally:
+        for b in instances.values():
+            b.close()
+        if master is not None:
+            master.close()
+    section.tables.append(table(
+        ["backend", "block value", "blocks", "put raw GB/s", "put connector GB/s", "put ratio",
+         "put ratio (staging)", "get raw GB/s", "get connector GB/s", "get ratio", "get ratio (staging)"],
+        rows,
+    ))
+    try:
+        section.plots.append(_plot(results, sizes, backends))
+    except ImportError as exc:
+        section.notes.append(f"no plot: {exc}")
+    return section
+
+
+def _plot(results: dict, sizes: list[int], backends: list[str]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    xs = [s >> 10 for s in sizes]
+    for ax, direction in zip(axes, ("put", "get"), strict=True):
+        for name in backends:
+            r = [results[(name, s)][0] for s in sizes]
+            st = [results[(name, s)][1] for s in sizes]
+            line = ax.plot(xs, [x[f"{direction}_raw"] for x in r], "o--", label=f"{name} raw")[0]
+            ax.plot(xs, [x[f"{direction}_conn"] for x in r], "o-", color=line.get_color(),
+                    label=f"{name} connector")
+            ax.plot(xs, [x[f"{direction}_conn"] for x in st], "x:", color=line.get_color(),
+                    label=f"{name} connector (staging)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block value (KiB)")
+        ax.set_title(direction)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s (median)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("AscendStoreConnector worker vs raw backend")
+    fig.tight_layout()
+    path = plot_path("store.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path.relative_to(ROOT))
+
+
+if __name__ == "__main__":
+    s = run(quick="--quick" in sys.argv)
+    print("\n\n".join(s.tables + s.notes + s.plots))

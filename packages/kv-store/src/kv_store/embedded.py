@@ -1,0 +1,40 @@
+"""kv_common's ``EmbeddedBackend`` with the store core's zero-copy "parts" protocol.
+
+A value is handed over as a list of buffers (one KV slice per layer, then the trailer):
+
+- put: one ``b"".join`` of the parts, which is the copy the embedded store makes anyway (it keeps
+  its own bytes), so the connector adds no gather copy;
+- get: the stored bytes (no copy when in memory) are scattered straight into the KV slices, instead
+  of a copy into staging followed by a scatter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kv_common.embedded_backend import EmbeddedBackend
+
+
+class EmbeddedStoreBackend(EmbeddedBackend):
+    def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        if len(keys) != len(parts):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} values")
+        return self.batch_put(keys, [b"".join(p) for p in parts])
+
+    def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[int]:
+        if len(keys) != len(parts):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} buffers")
+        out: list[int] = []
+        for value, bufs in zip(self.batch_get(keys), parts, strict=True):
+            total = sum(len(b) for b in bufs)
+            if value is None or len(value) != total:
+                out.append(-1)
+                continue
+            src = memoryview(value)
+            offset = 0
+            for buf in bufs:
+                size = len(buf)
+                buf[:] = src[offset : offset + size]
+                offset += size
+            out.append(total)
+        return out
