@@ -80,7 +80,7 @@ def _forward(params: list[dict], **changes) -> list[dict]:
     ]
 
 
-def _wait_leaks(port: int, key: str = "held_blocks", timeout_s: float = 15.0) -> dict:
+def _wait_leaks(port: int, key: str = "held_blocks", timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         report = query_leaks(f"127.0.0.1:{port}")

@@ -116,21 +116,37 @@ def test_ucm_damaged_blocks_are_recomputed_inline_config(tiny_model, prompts, ba
     """Flipped bytes (UCM does not notice: the store core's crc does), truncated and deleted block
     files: the engine still produces the baseline tokens (vLLM recomputes what failed to load).
     The UCM settings come inline this time, no YAML file."""
-    from kv_common.testing import assert_same_tokens, run_engine
+    from kv_common.testing import EngineProcess, assert_same_tokens, max_model_len_for
 
     kv = tmp_path / "kv"
     shutil.copytree(dumped["kv"], kv)
     files = sorted(block_files(kv))
-    assert files
+    assert len(files) >= 6
+    # one truncated, one deleted, the rest (4 of the 6 files, so at least 2 of the 4 requests' first
+    # blocks) with one flipped byte
     for i, f in enumerate(files):
-        if i % 3 == 0:
+        if i == 0:
+            os.truncate(f, f.stat().st_size // 2)
+        elif i == 1:
+            f.unlink()
+        else:
             data = bytearray(f.read_bytes())
             data[len(data) // 2] ^= 0xFF
             f.write_bytes(bytes(data))
-        elif i % 3 == 1:
-            os.truncate(f, f.stat().st_size // 2)
-        else:
-            f.unlink()
     cfg = kv_cfg(ucm_connector_config={"store_pipeline": "Posix", "storage_backends": str(kv)})
-    c = run_engine(tiny_model, prompts, kv_transfer_config=cfg, multiprocess=False, env=ENV, **ENGINE)
+    eng = EngineProcess(
+        tiny_model, kv_transfer_config=cfg, multiprocess=False, env=ENV, keep_logs=True, name="ucm-damaged",
+        max_tokens=ENGINE["max_tokens"], start_timeout_s=ENGINE["timeout_s"],
+        max_model_len=max_model_len_for([prompts], ENGINE["max_tokens"]),
+    )
+    try:
+        eng.start()
+        c = eng.generate(prompts, timeout_s=ENGINE["timeout_s"])
+    finally:
+        eng.close()
+    log = eng.log_path.read_text(errors="replace")
+    shutil.rmtree(eng.log_path.parent, ignore_errors=True)
     assert_same_tokens(c, baseline_tokens)
+    # the damaged blocks were found by the lookup, failed to load, and were recomputed
+    assert "failed to load; vLLM recomputes them" in log, log[-3000:]
+    assert "corrupt (checksum mismatch)" in log, log[-3000:]

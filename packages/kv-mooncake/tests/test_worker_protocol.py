@@ -166,3 +166,24 @@ def test_client_may_shorten_but_not_extend_the_hold():
     assert sched._hold_ttl({"hold_timeout_s": "x"}) is None
     assert sched._hold_ttl({"hold_timeout_s": float("nan")}) is None
     assert sched._hold_ttl({}) is None
+
+
+def test_done_is_retried_until_a_slow_prefill_answers(prefill, monkeypatch):
+    """A DONE whose first answer comes late is sent again, not dropped (the blocks would stay held)."""
+    decode = MooncakeWorker(MooncakeConfig(lease_s=3.0), engine_id="D", is_producer=False, is_consumer=True,
+                            side_channel_port=_free_port(), engine_factory=FakeTransferEngine)
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0])]))
+    real = side_channel.request
+    calls = []
+
+    def flaky(address, message, *args, **kwargs):
+        calls.append(type(message).__name__)
+        if len(calls) <= 2:
+            raise side_channel.SideChannelTimeout("starved")
+        return real(address, message, *args, **kwargs)
+
+    monkeypatch.setattr(side_channel, "request", flaky)
+    decode._notify(prefill.server.address, P.PullDone(request_id="r", reader_id="d", ok=True))
+    assert calls == ["PullDone"] * 3
+    assert _finished(prefill) == {"r"}
+    decode.close()

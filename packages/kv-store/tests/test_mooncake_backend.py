@@ -60,3 +60,37 @@ def test_mooncake_config_path_json_and_inline_override(tmp_path):
     assert resolve_mooncake(MooncakeOptions(), environ=env)["local_buffer_size"] == 1 << 20
     with pytest.raises(ValueError, match="master"):
         resolve_mooncake(MooncakeOptions(), environ={})
+
+
+def test_parts_roundtrip_zero_copy_and_size_mismatch(mooncake_master):
+    b = MooncakeBackend(mooncake_options(mooncake_master.address))
+    src, dst = bytearray(b"a" * 3000 + b"b" * 5000 + b"t" * 16), bytearray(8016)
+    b.register_buffer(memoryview(src))
+    b.register_buffer(memoryview(dst))
+    s, d = memoryview(src), memoryview(dst)
+    assert b.batch_put_parts(["k"], [[s[:3000], s[3000:8000], s[8000:]]]) == [True]
+    assert b.batch_get_parts(["k", "missing"], [[d[:5000], d[5000:8016]], [d[:10]]]) == [8016, -1]
+    assert bytes(dst) == bytes(src)
+    # another size than stored: never a partial value
+    assert b.batch_get_parts(["k"], [[d[:4000]]]) == [-1]
+    # unregistered buffers: copied through the bytes API, same result
+    plain = bytearray(8016)
+    assert b.batch_get_parts(["k"], [[memoryview(plain)]]) == [8016]
+    assert bytes(plain) == bytes(src)
+    assert b.batch_put_parts(["k2"], [[memoryview(bytearray(b"xy"))]]) == [True]
+    assert b.batch_get(["k2"]) == [b"xy"]
+    b.close()
+
+
+def test_embedded_store_backend_parts(tmp_path):
+    from kv_store.embedded import EmbeddedStoreBackend
+
+    b = EmbeddedStoreBackend(1 << 20, spill_dir=tmp_path, write_through=True)
+    assert b.batch_put_parts(["k"], [[memoryview(b"abc"), memoryview(b"de")]]) == [True]
+    out1, out2 = bytearray(1), bytearray(4)
+    assert b.batch_get_parts(["k", "x"], [[memoryview(out1), memoryview(out2)], [memoryview(out1)]]) == [5, -1]
+    assert bytes(out1 + out2) == b"abcde"
+    assert b.batch_get_parts(["k"], [[memoryview(bytearray(4))]]) == [-1]
+    fresh = EmbeddedStoreBackend(1 << 20, spill_dir=tmp_path)  # another process: through the file
+    assert fresh.batch_get_parts(["k"], [[memoryview(out2), memoryview(out1)]]) == [5]
+    assert bytes(out2 + out1) == b"abcde"

@@ -136,6 +136,8 @@ class MooncakeWorker:
         self.te: Any = None
         self.server: side_channel.SideChannelServer | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._notifier: ThreadPoolExecutor | None = None  # DONE / FreeNow delivery, off the pull threads
+        self._unreachable: dict[str, float] = {}  # prefill address -> until when it is presumed dead
         self._closed = False
 
     # ---- setup -------------------------------------------------------------------------------
@@ -182,13 +184,17 @@ class MooncakeWorker:
                         "prefill" if self.is_producer else "decode", self.server.address, self.te.rpc_address)
         if self.is_consumer:
             self._pool = ThreadPoolExecutor(self.config.num_pull_threads, thread_name_prefix="mooncake-pull")
+            self._notifier = ThreadPoolExecutor(2, thread_name_prefix="mooncake-done")
 
     # ---- per step ----------------------------------------------------------------------------
     def start_step(self, step: MooncakeStep) -> None:
         for hold in step.holds:
             self._hold(hold.request_id, hold.num_blocks, hold.block_ids, hold.ttl_s)
         for source in step.frees:
-            self._submit(self._tell_free, source)
+            if self._notifier is not None:
+                self._notifier.submit(self._tell_free, source)
+            else:
+                self._submit(self._tell_free, source)
         for pull in step.pulls:
             with self._lock:
                 self._pending_pulls.add(pull.request_id)
@@ -383,7 +389,16 @@ class MooncakeWorker:
                              pcp_size=source.pcp_size, dcp_size=source.dcp_size, use_mla=self.use_mla)
 
     def _pull(self, req: PullRequest) -> None:
-        self._send_done(self._pull_and_report(req))
+        owed = self._pull_and_report(req)
+        if not owed:
+            return
+        if self._notifier is None:
+            self._send_done(owed)
+        else:
+            try:
+                self._notifier.submit(self._send_done, owed)
+            except RuntimeError:  # shutting down
+                self._send_done(owed)
 
     def _pull_and_report(self, req: PullRequest) -> list[tuple[str, msgspec.Struct]]:
         """Pull, then report the request finished (or its blocks failed) to vLLM at once; returns
@@ -434,11 +449,27 @@ class MooncakeWorker:
             self._notify(address, message)
 
     def _notify(self, address: str, message: msgspec.Struct) -> None:
-        try:
-            # Short: a dead prefill must not delay the decode's failure report (its blocks died too).
-            self._request(address, message, min(1.0, self.config.handshake_timeout_s))
-        except side_channel.SideChannelError as exc:
-            logger.warning("MooncakeConnectorV1: %s to %s not delivered: %s", type(message).__name__, address, exc)
+        """Deliver a DONE / FreeNow, retrying for up to ``lease_s``: a busy prefill (its side channel
+        thread starved on a loaded host) must not keep the blocks until expiry because one answer
+        came late. DONE and FreeNow are idempotent on the prefill, so a repeat is harmless. An address
+        that stayed silent that long is presumed dead for a while: one short try per message then."""
+        now = time.monotonic()
+        presumed_dead = self._unreachable.get(address, 0.0) > now
+        give_up = now + (0.0 if presumed_dead else self.config.lease_s)
+        timeout = 0.2 if presumed_dead else min(1.0, self.config.handshake_timeout_s)
+        while True:
+            try:
+                self._request(address, message, timeout)
+                self._unreachable.pop(address, None)
+                return
+            except side_channel.SideChannelError as exc:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    self._unreachable[address] = time.monotonic() + 4 * self.config.lease_s
+                    logger.warning("MooncakeConnectorV1: %s to %s not delivered: %s",
+                                   type(message).__name__, address, exc)
+                    return
+                timeout = min(2 * timeout, self.config.handshake_timeout_s, max(0.05, left))
 
     def _pull_from_rank(self, req: PullRequest, pull: Any, prefill: PrefillLayout, expected: int, deadline: float) -> int:
         source = req.source
@@ -521,6 +552,8 @@ class MooncakeWorker:
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._notifier is not None:
+            self._notifier.shutdown(wait=True)  # owed DONEs go out (each bounded by lease_s)
         if self.server is not None:
             self.server.close()
         if self.te is not None:

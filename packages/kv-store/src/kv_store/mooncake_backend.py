@@ -13,6 +13,7 @@ Buffers given to ``batch_put`` / ``batch_get_into`` must lie inside a buffer ann
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import os
@@ -51,7 +52,7 @@ class MooncakeBackend(Backend):
         self._store = MooncakeDistributedStore()
         self._ready = False
         self._lock = threading.Lock()
-        self._registered: list[tuple[int, int]] = []  # (address, size)
+        self._registered: list[tuple[int, int]] = []  # (address, size), sorted
         self._warned: set[str] = set()
         result: dict[str, int] = {}
 
@@ -82,7 +83,14 @@ class MooncakeBackend(Backend):
             logger.warning("mooncake %s returned %d%s; treated as a miss", what, code, hint)
 
     def _is_registered(self, address: int, size: int) -> bool:
-        return any(start <= address and address + size <= start + length for start, length in self._registered)
+        regs = self._registered
+        i = bisect.bisect_right(regs, (address, 1 << 62)) - 1
+        while i >= 0:  # ranges may nest (a sub-range registered again): look further left too
+            start, length = regs[i]
+            if address + size <= start + length:
+                return True
+            i -= 1
+        return False
 
     # ---- Backend ----------------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
@@ -222,7 +230,7 @@ class MooncakeBackend(Backend):
         if rc != 0:
             raise BackendError(self.name, "register_buffer", rc)
         with self._lock:
-            self._registered.append((address, size))
+            bisect.insort(self._registered, (address, size))
 
     def unregister_buffer(self, buffer: memoryview) -> None:
         view = memoryview(buffer).cast("B")

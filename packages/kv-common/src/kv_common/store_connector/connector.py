@@ -16,6 +16,7 @@ connector switches the scheduler to "recompute" so that a best-effort cache neve
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from kv_common.backend import Backend
@@ -51,6 +52,29 @@ def store_fingerprint(vllm_config: Any) -> dict[str, Any]:
     return fp
 
 
+_NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
+
+
+def hash_seed_warning(hash_algo: str, environ: Any = None) -> str | None:
+    """Why stored blocks cannot be shared between instances, or None.
+
+    vLLM 0.32 (``vllm.v1.core.kv_cache_utils.resolve_none_hash_seed``) seeds the block-hash chain
+    with PYTHONHASHSEED when set; otherwise with a fixed seed for sha256 / sha256_cbor but with a
+    fresh random seed per process for xxhash / xxhash_cbor. With the latter, every instance
+    computes different block hashes for the same prefix, so no other instance (and no restart of
+    this one) ever hits what it stores.
+    """
+    env = os.environ if environ is None else environ
+    if hash_algo in _NON_CRYPTO_HASHES and env.get("PYTHONHASHSEED") is None:
+        return (
+            f"prefix_caching_hash_algo={hash_algo!r} without PYTHONHASHSEED: vLLM seeds the block-hash "
+            "chain randomly per process, so blocks this instance stores can never be found by another "
+            "instance (or after a restart). Set PYTHONHASHSEED to the same value on every instance, or "
+            "use prefix_caching_hash_algo='sha256' (vLLM's default)."
+        )
+    return None
+
+
 class StoreConnectorBase(_base.KVConnectorBase_V1):
     connector_name: str = "StoreConnector"
     config_type: type[StoreConnectorConfig] = StoreConnectorConfig
@@ -76,6 +100,9 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):
         self._scheduler: StoreScheduler | None = None
         self._worker: StoreWorker | None = None
         if role == _base.KVConnectorRole.SCHEDULER:
+            warning = hash_seed_warning(str(fp.get("hash_algo", "")))
+            if warning:
+                logger.warning("%s: %s", self.connector_name, warning)
             if cfg.load_failure_policy == "recompute" and getattr(ktc, "kv_load_failure_policy", None) != "recompute":
                 logger.info("%s: setting kv_load_failure_policy='recompute' (a store miss recomputes)", self.connector_name)
                 ktc.kv_load_failure_policy = "recompute"

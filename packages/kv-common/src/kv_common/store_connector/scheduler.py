@@ -24,6 +24,7 @@ from kv_common.store_connector.stats import StoreStats
 logger = logging.getLogger(__name__)
 
 MAX_EVENTS = 10_000  # events nobody drains are dropped oldest first
+MAX_TRACKED_BLOCKS = 100_000  # token ids kept for BlockStored events of saves in flight
 
 
 @dataclass
@@ -73,6 +74,8 @@ class StoreScheduler:
         self._held: set[str] = set()  # finished, blocks kept until the workers' saves complete
         self._events: deque[Any] = deque(maxlen=MAX_EVENTS)
         self._lookup_errors_logged = False
+        # block hash -> (parent hash, token ids) of saves in flight, for BlockStored events
+        self._block_tokens: dict[bytes, tuple[bytes | None, list[int]]] = {}
 
     # ---- lookup -------------------------------------------------------------------------
     def _exists(self, hashes: list[Any]) -> list[list[bool]]:
@@ -167,11 +170,46 @@ class StoreScheduler:
             return None
         start, state.saved_upto = state.saved_upto, full
         state.has_saves = True
+        self._track_tokens(state.request, start, full)
         return BlockTransfer(
             request_id=state.request.request_id,
             block_hashes=[bytes(h) for h in hashes[start:full]],
             block_ids=[g[start:full] for g in state.block_ids],
         )
+
+    def _track_tokens(self, request: Any, start: int, end: int) -> None:
+        tokens = getattr(request, "all_token_ids", None)
+        if tokens is None:
+            return
+        hashes = request.block_hashes
+        bs = self.block_size
+        for i in range(start, end):
+            parent = bytes(hashes[i - 1]) if i > 0 else None
+            self._block_tokens[bytes(hashes[i])] = (parent, list(tokens[i * bs : (i + 1) * bs]))
+        while len(self._block_tokens) > MAX_TRACKED_BLOCKS:
+            del self._block_tokens[next(iter(self._block_tokens))]
+
+    def _stored_events(self, events: Any, stored: Sequence[bytes]) -> list[Any]:
+        """One BlockStored per run of chained blocks (each the parent of the next), with tokens."""
+        out = []
+        runs: list[tuple[bytes | None, list[bytes], list[int] | None]] = []
+        for h in stored:
+            parent, tokens = self._block_tokens.pop(bytes(h), (None, None))
+            if runs and parent is not None and runs[-1][1][-1] == parent:
+                run = runs[-1]
+                run[1].append(h)
+                if run[2] is not None and tokens is not None:
+                    run[2].extend(tokens)
+                else:
+                    runs[-1] = (run[0], run[1], None)
+            else:
+                runs.append((parent, [h], list(tokens) if tokens is not None else None))
+        for parent, hashes, tokens in runs:
+            out.append(events.BlockStored(
+                block_hashes=hashes, parent_block_hash=parent, token_ids=tokens or [],
+                block_size=self.block_size, lora_id=None, medium="store", lora_name=None,
+            ))
+        return out
 
     def build_plan(self, scheduler_output: Any) -> StorePlan:
         plan = StorePlan()
@@ -231,12 +269,7 @@ class StoreScheduler:
         if events is None:
             return
         if report.stored:
-            self._events.append(
-                events.BlockStored(
-                    block_hashes=list(report.stored), parent_block_hash=None, token_ids=[],
-                    block_size=self.block_size, lora_id=None, medium="store", lora_name=None,
-                )
-            )
+            self._events.extend(self._stored_events(events, report.stored))
         if report.removed:
             self._events.append(events.BlockRemoved(block_hashes=list(report.removed), medium="store"))
 

@@ -151,7 +151,8 @@ class StoreWorker:
             blocks = tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
             nbytes = blocks.shape[1]
             self._layer_index[name] = len(self._layers)
-            self._layers.append(_Layer(name, blocks, offset, nbytes, self.layer_groups.get(name, 0)))
+            flat = memoryview(blocks.numpy()).cast("B")  # block copies as plain memcpy
+            self._layers.append(_Layer(name, blocks, offset, nbytes, self.layer_groups.get(name, 0), flat))
             offset += nbytes
         self.payload_size = offset
         self.value_size = offset + codec.TRAILER_SIZE
@@ -170,10 +171,8 @@ class StoreWorker:
         slots = self._save_staging.slots if self._save_staging is not None else 1
         seen: set[tuple[int, int]] = set()
         try:
-            for layer, tensor in zip(self._layers, kv_caches.values(), strict=True):
-                flat = tensor.view(torch.uint8).reshape(-1)
-                layer.flat = memoryview(flat.numpy()).cast("B")
-                span = (flat.data_ptr(), flat.numel())
+            for layer in self._layers:
+                span = (layer.blocks.data_ptr(), layer.blocks.numel())
                 if span not in seen:  # layers may share one allocation
                     seen.add(span)
                     self.backend.register_buffer(layer.flat)
@@ -198,8 +197,6 @@ class StoreWorker:
             except Exception:  # noqa: BLE001 - best effort
                 pass
         self._registered_kv = []
-        for layer in self._layers:
-            layer.flat = None
 
     def _block_parts(self, transfer: BlockTransfer, i: int, trailers: memoryview, slot: int) -> list[memoryview]:
         parts = [layer.block(transfer.block_ids[layer.group][i]) for layer in self._layers]
@@ -211,18 +208,20 @@ class StoreWorker:
         return keys_mod.block_keys(self.namespace, self.rank_tag, hashes)
 
     # ---- gather / scatter -----------------------------------------------------------------
-    def _gather(self, rows: torch.Tensor, transfer: BlockTransfer, lo: int, hi: int) -> None:
+    def _gather(self, staging: _Staging, transfer: BlockTransfer, lo: int, hi: int) -> None:
+        view, vs = staging.view, staging.value_size
         for layer in self._layers:
             ids = transfer.block_ids[layer.group]
-            end = layer.offset + layer.nbytes
             for j, i in enumerate(range(lo, hi)):
-                rows[j, layer.offset : end].copy_(layer.blocks[ids[i]])
+                start = j * vs + layer.offset
+                view[start : start + layer.nbytes] = layer.block(ids[i])
 
-    def _scatter_layer(self, layer: _Layer, rows: torch.Tensor, transfer: BlockTransfer, row: int, n: int) -> None:
+    def _scatter_layer(self, layer: _Layer, staging: _Staging, transfer: BlockTransfer, row: int, n: int) -> None:
         ids = transfer.block_ids[layer.group]
-        end = layer.offset + layer.nbytes
+        view, vs = staging.view, staging.value_size
         for j in range(n):
-            layer.blocks[ids[j]].copy_(rows[row + j, layer.offset : end])
+            start = (row + j) * vs + layer.offset
+            layer.block(ids[j])[:] = view[start : start + layer.nbytes]
 
     # ---- saves ----------------------------------------------------------------------------
     def submit_saves(self, plan: StorePlan) -> None:
@@ -254,7 +253,7 @@ class StoreWorker:
                 block_ids=[[g[i] for i in idx] for g in transfer.block_ids],
             )
             n = len(idx)
-            self._gather(staging.rows, sub, 0, n)
+            self._gather(staging, sub, 0, n)
             values = staging.values(n)
             for value in values:
                 codec.write_trailer(value, self.payload_size, self.config.checksum)
@@ -427,7 +426,7 @@ class StoreWorker:
                     todo.append(part)
             for f in self._fetch_into(todo, staging):
                 for layer in self._layers:
-                    self._scatter_layer(layer, staging.rows, f.transfer, f.row, f.good)
+                    self._scatter_layer(layer, staging, f.transfer, f.row, f.good)
                 if f.good < len(f.transfer.block_hashes):
                     failed.add(f.transfer.request_id)
 
@@ -451,7 +450,7 @@ class StoreWorker:
         fetched = self._fetch.result()
         assert self._load_staging is not None
         for f in fetched:
-            self._scatter_layer(self._layers[index], self._load_staging.rows, f.transfer, f.row, f.good)
+            self._scatter_layer(self._layers[index], self._load_staging, f.transfer, f.row, f.good)
         self._scattered.add(index)
 
     def finish_layerwise(self) -> None:
