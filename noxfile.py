@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import os
-
 import nox
 
 nox.options.error_on_missing_interpreters = True

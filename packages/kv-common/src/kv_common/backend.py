@@ -9,7 +9,7 @@ Errors that mean "the backend is unusable" raise ``BackendError`` with the opera
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class BackendError(RuntimeError):
@@ -57,7 +57,7 @@ class Backend(ABC):
     def close(self) -> None:  # noqa: B027 - optional
         pass
 
-    def __enter__(self) -> "Backend":
+    def __enter__(self) -> Backend:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,7 +8,8 @@ a wrong type raises one ``ConnectorConfigError`` that names the key and the conn
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import msgspec
 

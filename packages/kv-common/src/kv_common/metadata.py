@@ -68,7 +68,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     remote_num_tokens: int = 0
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> "KVTransferParams | None":
+    def from_dict(cls, data: dict | None) -> KVTransferParams | None:
         if not data:
             return None
         return msgspec.convert(data, type=cls, strict=False)
