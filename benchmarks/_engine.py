@@ -1,8 +1,9 @@
 """Local helpers for the engine benchmarks (not a bench module: no ``run``).
 
-* :class:`BenchEngine`: the harness's :class:`EngineProcess`, but running ``benchmarks._engine_child``
-  (step and lookup timers, ``reset_prefix_cache``) and measuring the RSS of its process tree.
-* :class:`MooncakeMaster`: a ``mooncake_master`` on loopback for the store rows.
+* :class:`BenchEngine`: the harness's :class:`EngineProcess` with the benchmark defaults: in-process
+  vLLM and step / lookup timers (``instrument=True``); ``timings()``, ``reset_prefix_cache()`` and
+  ``rss_bytes()`` come from the harness.
+* :class:`MooncakeMaster`, :func:`free_port`: re-exported from :mod:`kv_common.testing`.
 * :func:`connector_configs`: the ``kv_transfer_config`` of every connector the benchmarks compare.
 * :func:`importable`: whether a connector's module imports here (others are still writing them).
 """
@@ -10,147 +11,40 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kv_common.testing.engine import EngineProcess
+from kv_common.testing.mooncake_master import MooncakeMaster, free_port
 
 from benchmarks.report import ROOT
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = [
+    "OUR_CONNECTORS",
+    "ROW_CONNECTOR",
+    "BenchEngine",
+    "MooncakeMaster",
+    "connector_configs",
+    "first_error_line",
+    "free_port",
+    "importable",
+    "scratch_dir",
+]
 
 
 class BenchEngine(EngineProcess):
-    """EngineProcess whose child is ``benchmarks._engine_child`` (in-process vLLM by default)."""
+    """EngineProcess with in-process vLLM and step / lookup timers by default."""
 
     def __init__(self, model_dir: Any, **kwargs: Any) -> None:
         kwargs.setdefault("multiprocess", False)
+        kwargs.setdefault("instrument", True)
         super().__init__(model_dir, **kwargs)
-        self.env["PYTHONPATH"] = os.pathsep.join([str(ROOT), self.env.get("PYTHONPATH", "")])
-
-    def start(self, wait: bool = True) -> BenchEngine:  # same as EngineProcess.start, other module
-        import selectors
-
-        if self._proc is not None:
-            raise RuntimeError("engine already started")
-        self._workdir = Path(tempfile.mkdtemp(prefix=f"kv-bench-{self.name}-"))
-        spec_path = self._workdir / "spec.json"
-        spec_path.write_text(json.dumps(self.spec))
-        self._stderr_fh = open(self._workdir / "stderr.log", "wb")  # noqa: SIM115 - closed in close()
-        self._t_spawn = time.perf_counter()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks._engine_child", str(spec_path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr_fh,
-            env=self.env,
-            cwd=str(self._workdir),
-            start_new_session=True,
-        )
-        self._sel = selectors.DefaultSelector()
-        assert self._proc.stdout is not None
-        self._sel.register(self._proc.stdout, selectors.EVENT_READ)
-        if wait:
-            self.wait_ready()
-        return self
-
-    def timings(self) -> dict[str, list[float]]:
-        return self._request({"op": "timings"}, 60, "timings")
-
-    def reset_prefix_cache(self) -> bool:
-        return bool(self._request({"op": "reset_prefix_cache"}, 60, "reset_prefix_cache")["reset"])
-
-    def rss_bytes(self) -> int:
-        import psutil
-
-        total = 0
-        for pid in self.pids():
-            with contextlib.suppress(psutil.Error):
-                total += psutil.Process(pid).memory_info().rss
-        return total
-
-
-class MooncakeMaster:
-    """``mooncake_master`` on 127.0.0.1 (own process group; stopped by pid on exit)."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.metrics_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.address = f"127.0.0.1:{self.port}"
-
-    def __enter__(self) -> MooncakeMaster:
-        exe = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
-        self._log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [
-                exe,
-                f"-rpc_port={self.port}",
-                "-rpc_address=127.0.0.1",
-                "-metrics_host=127.0.0.1",
-                f"-metrics_port={self.metrics_port}",
-                "-default_kv_lease_ttl=500",
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited rc={self.proc.returncode}: {self.log_tail()}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
-                return self
-            time.sleep(0.1)
-        raise RuntimeError(f"mooncake_master did not listen on {self.address}: {self.log_tail()}")
-
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return Path(self._log.name).read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        with contextlib.suppress(OSError):
-            os.unlink(self._log.name)
-
-    def config_file(self, directory: str | Path, segment: str = "512mb", buffer: str = "128mb") -> str:
-        """Mooncake's JSON config (vLLM's MooncakeStoreConnector reads MOONCAKE_CONFIG_PATH)."""
-        path = Path(directory) / f"mooncake-{self.port}.json"
-        path.write_text(
-            json.dumps(
-                {
-                    "local_hostname": "127.0.0.1",
-                    "metadata_server": "P2PHANDSHAKE",
-                    "protocol": "tcp",
-                    "device_name": "",
-                    "master_server_address": self.address,
-                    "global_segment_size": segment,
-                    "local_buffer_size": buffer,
-                }
-            )
-        )
-        return str(path)
 
 
 # Module each connector lives in: imported here first, so a connector others are still writing is
@@ -224,43 +118,18 @@ def connector_configs(
     connector shows up as 0 tokens hit instead of failed requests.
     """
     env: dict[str, str] = {"MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
-    cfg, env = _connector_config(
-        name,
-        workdir=workdir,
-        master=master,
-        role=role,
-        embedded_capacity=embedded_capacity,
-        offload_bytes=offload_bytes,
-        port_base=port_base,
-        env=env,
-    )
-    cfg.setdefault("kv_load_failure_policy", "recompute")
-    return cfg, env
-
-
-def _connector_config(
-    name: str,
-    *,
-    workdir: Path,
-    master: MooncakeMaster | None,
-    role: str,
-    embedded_capacity: int,
-    offload_bytes: int,
-    port_base: int | None,
-    env: dict[str, str],
-) -> tuple[dict[str, Any], dict[str, str]]:
     if name == "kv-store embedded":
-        return {
+        cfg: dict[str, Any] = {
             "kv_connector": "AscendStoreConnector",
             "kv_role": role,
             "kv_connector_extra_config": {
                 "backend": "embedded",
                 "embedded": {"capacity_bytes": embedded_capacity, "spill_dir": str(workdir / "spill")},
             },
-        }, env
-    if name == "kv-store mooncake":
+        }
+    elif name == "kv-store mooncake":
         assert master is not None
-        return {
+        cfg = {
             "kv_connector": "AscendStoreConnector",
             "kv_role": role,
             "kv_connector_extra_config": {
@@ -272,47 +141,47 @@ def _connector_config(
                     "setup_retries": 1,
                 },
             },
-        }, env
-    if name == "kv-ucm":
-        return {
-            "kv_connector": "UCMConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {},
-        }, env
-    if name == "kv-mooncake P2P":
-        port = port_base or free_port()
-        return {
+        }
+    elif name == "kv-ucm":
+        cfg = {"kv_connector": "UCMConnector", "kv_role": role, "kv_connector_extra_config": {}}
+    elif name == "kv-mooncake P2P":
+        # The side channel listens on kv_port (+ rank). A P2P prefill must keep stepping after its
+        # request finished (see bench_ttft.run_p2p_row): run P and D with multiprocess=True.
+        cfg = {
             "kv_connector": "MooncakeConnectorV1",
             "kv_role": role,
-            "kv_port": port,
-            "kv_connector_extra_config": {"side_channel_port": port, "pull_timeout_s": 10.0},
-        }, env
-    if name == "vLLM OffloadingConnector":
-        return {
+            "kv_port": port_base or free_port(),
+            "kv_connector_extra_config": {"pull_timeout_s": 10.0},
+        }
+    elif name == "vLLM OffloadingConnector":
+        cfg = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": offload_bytes},
-        }, env
-    if name == "vLLM MooncakeStoreConnector":
+        }
+    elif name == "vLLM MooncakeStoreConnector":
         assert master is not None
         env["MOONCAKE_CONFIG_PATH"] = master.config_file(workdir)
-        return {"kv_connector": "MooncakeStoreConnector", "kv_role": role}, env
-    if name == "vLLM MooncakeConnector":
+        cfg = {"kv_connector": "MooncakeStoreConnector", "kv_role": role}
+    elif name == "vLLM MooncakeConnector":
         port = port_base or free_port()
         env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(port)
-        return {
+        cfg = {
             "kv_connector": "MooncakeConnector",
             "kv_role": role,
             "kv_port": port,
             "kv_connector_extra_config": {},
-        }, env
-    if name == "vLLM ExampleConnector":
-        return {
+        }
+    elif name == "vLLM ExampleConnector":
+        cfg = {
             "kv_connector": "ExampleConnector",
             "kv_role": role,
             "kv_connector_extra_config": {"shared_storage_path": str(workdir / "example")},
-        }, env
-    raise KeyError(name)
+        }
+    else:
+        raise KeyError(name)
+    cfg.setdefault("kv_load_failure_policy", "recompute")
+    return cfg, env
 
 
 ROW_CONNECTOR = {
@@ -325,3 +194,6 @@ ROW_CONNECTOR = {
     "vLLM MooncakeConnector": "MooncakeConnector",
     "vLLM ExampleConnector": "ExampleConnector",
 }
+
+# Our three packages' connectors (the rows first checked with :func:`importable`).
+OUR_CONNECTORS = {"AscendStoreConnector", "UCMConnector", "MooncakeConnectorV1"}

@@ -17,6 +17,7 @@ import random
 import time
 
 from benchmarks._engine import (
+    OUR_CONNECTORS,
     ROW_CONNECTOR,
     BenchEngine,
     MooncakeMaster,
@@ -32,19 +33,7 @@ ROUND = 256
 MAX_TOKENS = 16
 MAX_NUM_SEQS = 32
 PROMPT_LEN = (64, 320)
-ROWS = [
-    "no connector",
-    "kv-store embedded",
-    "kv-store mooncake",
-    "kv-ucm",
-    "kv-mooncake P2P",
-    "vLLM OffloadingConnector",
-    "vLLM MooncakeStoreConnector",
-    "vLLM MooncakeConnector",
-    "vLLM ExampleConnector",
-    "no connector (again)",
-]
-OUR_CONNECTORS = {"AscendStoreConnector", "UCMConnector", "MooncakeConnectorV1"}
+ROWS = ["no connector", *ROW_CONNECTOR, "no connector (again)"]
 
 
 class PromptSource:

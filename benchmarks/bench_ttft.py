@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from benchmarks._engine import (
+    OUR_CONNECTORS,
     ROW_CONNECTOR,
     BenchEngine,
     MooncakeMaster,
@@ -48,17 +49,7 @@ KV_BYTES_PER_TOKEN = MODEL["num_layers"] * 2 * MODEL["num_kv_heads"] * MODEL["he
 KV_CACHE_BYTES = 768 << 20
 GEN_TIMEOUT_S = 180.0
 
-ROWS = [
-    "recompute",
-    "kv-store embedded",
-    "kv-store mooncake",
-    "kv-ucm",
-    "kv-mooncake P2P",
-    "vLLM OffloadingConnector",
-    "vLLM MooncakeStoreConnector",
-    "vLLM MooncakeConnector",
-    "vLLM ExampleConnector",
-]
+ROWS = ["recompute", *ROW_CONNECTOR]  # every connector row, in report order
 STORE_ROWS = {
     "kv-store embedded",
     "kv-store mooncake",
@@ -67,7 +58,6 @@ STORE_ROWS = {
     "vLLM ExampleConnector",
 }
 P2P_ROWS = {"kv-mooncake P2P", "vLLM MooncakeConnector"}
-OUR_CONNECTORS = {"AscendStoreConnector", "UCMConnector", "MooncakeConnectorV1"}
 NEEDS_MASTER = {"kv-store mooncake", "vLLM MooncakeStoreConnector"}
 
 Prompts = dict[tuple[int, int], list[int]]  # (length, rep) -> token ids
@@ -85,7 +75,7 @@ def warmup_prompt(seed: int) -> list[int]:
 
 
 def _engine(
-    model_dir, name: str, max_len: int, kv_cfg: dict | None = None, env: dict | None = None
+    model_dir, name: str, max_len: int, kv_cfg: dict | None = None, env: dict | None = None, **kwargs
 ) -> BenchEngine:
     return BenchEngine(
         model_dir,
@@ -96,6 +86,7 @@ def _engine(
         max_model_len=max_len,
         kv_cache_bytes=KV_CACHE_BYTES,
         start_timeout_s=300,
+        **kwargs,
     )
 
 
@@ -178,8 +169,13 @@ def run_offload_row(row: str, model_dir, prompts: Prompts, max_len: int, workdir
 def run_p2p_row(row: str, model_dir, prompts: Prompts, max_len: int, workdir) -> Measured:
     p_cfg, p_env = connector_configs(row, workdir=workdir, role="kv_producer", port_base=free_port())
     d_cfg, d_env = connector_configs(row, workdir=workdir, role="kv_consumer", port_base=free_port())
-    prefill = _engine(model_dir, "prefill", max_len, p_cfg, p_env)
-    decode = _engine(model_dir, "decode", max_len, d_cfg, d_env)
+    # Both engines keep vLLM's multiprocess layout: a P2P prefill hands its finished request's blocks
+    # to the connector (the hold) in the scheduler step *after* the request finished. In-process,
+    # LLM.generate() returns after the request's last step and nothing steps P again until its next
+    # generate, so P never holds the blocks and every pull waits for them until its deadline. An
+    # EngineCore process keeps stepping on its own, like a server.
+    prefill = _engine(model_dir, "prefill", max_len, p_cfg, p_env, multiprocess=True)
+    decode = _engine(model_dir, "decode", max_len, d_cfg, d_env, multiprocess=True)
     try:
         prefill.start(wait=False)
         decode.start(wait=False)
@@ -191,6 +187,9 @@ def run_p2p_row(row: str, model_dir, prompts: Prompts, max_len: int, workdir) ->
             params = rp.kv_transfer_params[0]
             if not params:
                 raise RuntimeError(f"{row}: the prefill returned no kv_transfer_params")
+            # vLLM copies P's own prefix hits into D's num_cached_tokens: drop them, so D reports what
+            # it loaded (as tests/test_e2e_mooncake.py does).
+            params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
             rd = _gen1(decode, p, {"kv_transfer_params": params})
             return rp.wall_s + rd.wall_s, rd.num_cached_tokens[0]
 
@@ -295,7 +294,8 @@ def run(quick: bool) -> Section:
         f"model: random Llama {MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, "
         f"{MODEL['num_heads']}/{MODEL['num_kv_heads']} heads x {MODEL['head_dim']}, float32; "
         f"{KV_BYTES_PER_TOKEN // 1024} KiB of KV per token; block size 128; {reps} runs per cell (median), "
-        "one request at a time, max_tokens=1, in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        "one request at a time, max_tokens=1, in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) "
+        "except the P2P rows (vLLM's multiprocess layout: a prefill must keep stepping after its request finished)"
     )
     return Section(
         title="Time to first token",

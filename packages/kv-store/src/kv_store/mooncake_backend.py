@@ -242,10 +242,21 @@ class MooncakeBackend(Backend):
             self._registered.remove(entry)
         self._store.unregister_buffer(address)
 
-    def close(self) -> None:
-        if self._ready:
-            self._ready = False
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Unmount and disconnect. With the master gone Mooncake retries the unmount for a long
+        time: give up after ``timeout_s`` (the process is shutting down anyway)."""
+        if not self._ready:
+            return
+        self._ready = False
+
+        def _close() -> None:
             try:
                 self._store.close()
             except Exception:  # noqa: BLE001
                 logger.debug("mooncake close failed", exc_info=True)
+
+        thread = threading.Thread(target=_close, name="mooncake-close", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("mooncake close did not finish within %.0fs (master unreachable?); going on", timeout_s)

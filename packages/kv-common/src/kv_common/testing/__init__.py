@@ -15,6 +15,7 @@ from kv_common.testing.engine import (
     run_engine_batches,
 )
 from kv_common.testing.leaks import LeakBaseline, LeakError, assert_no_leaks
+from kv_common.testing.mooncake_master import MooncakeMaster, free_port
 from kv_common.testing.probe import (
     PROBE_NAME,
     PROBE_SPEC,
@@ -37,11 +38,13 @@ __all__ = [
     "EngineResult",
     "LeakBaseline",
     "LeakError",
+    "MooncakeMaster",
     "assert_no_leaks",
     "assert_same_tokens",
     "baseline",
     "build_tiny_llama",
     "cached_tiny_model",
+    "free_port",
     "max_model_len_for",
     "model_cache_root",
     "probe_config",

@@ -89,6 +89,10 @@ class EngineProcess:
     three processes, so scheduler- and worker-side connectors live in different pids);
     ``False`` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (everything in the child: faster start).
     ``start(wait=False)`` + :meth:`wait_ready` start several engines in parallel.
+
+    Benchmark helpers: ``instrument=True`` times every engine step and every scheduler lookup
+    (:meth:`timings`; lookups only with ``multiprocess=False``); :meth:`reset_prefix_cache` drops the
+    engine's local prefix cache; :meth:`rss_bytes` is the resident memory of the whole process tree.
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class EngineProcess:
         shutdown_timeout_s: float = 30.0,
         keep_logs: bool | None = None,
         name: str = "engine",
+        instrument: bool = False,
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
@@ -125,6 +130,7 @@ class EngineProcess:
             "collect_metrics": collect_metrics,
             "seed": seed,
             "shutdown_timeout_s": float(shutdown_timeout_s),
+            "instrument": bool(instrument),
         }
         self.shutdown_timeout_s = float(shutdown_timeout_s)
         child_env = dict(os.environ)
@@ -387,6 +393,24 @@ class EngineProcess:
             pid=self.pid,
             start_s=self.start_s,
         )
+
+    def timings(self, timeout_s: float = 60.0) -> dict[str, list[float]]:
+        """``{"step_s": [...], "lookup_s": [...]}`` since the last call (needs ``instrument=True``)."""
+        return self._request({"op": "timings"}, timeout_s, "timings")
+
+    def reset_prefix_cache(self, timeout_s: float = 60.0) -> bool:
+        """Drop the engine's local prefix cache (connector data stays); vLLM's success flag."""
+        return bool(self._request({"op": "reset_prefix_cache"}, timeout_s, "reset_prefix_cache")["reset"])
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the child and all its descendants, in bytes; needs psutil."""
+        import psutil
+
+        total = 0
+        for pid in self.pids():
+            with contextlib.suppress(psutil.Error):
+                total += psutil.Process(pid).memory_info().rss
+        return total
 
     def pids(self) -> list[int]:
         """The child and all its descendants (EngineCore, workers); needs psutil."""

@@ -6,6 +6,14 @@ log lines (ours, vLLM's and the engine subprocesses') never mix with replies. Re
 JSON lines on stdin:
 
 * ``{"op": "generate", "prompts": [[ids]], "extra_args": [dict|None] | null, "max_tokens": int | [int]}``
+* ``{"op": "reset_prefix_cache"}``: drop the engine's local prefix cache (a connector's data stays),
+  so a repeated prompt must come from the connector
+* ``{"op": "timings"}``: only with ``"instrument": true`` in the spec (``EngineProcess(instrument=True)``):
+  per-``LLMEngine.step()`` wall times and per-request scheduler lookup times
+  (``connector.get_num_new_matched_tokens``) collected since the last call, then cleared. Only
+  meaningful in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the step runs the scheduler and
+  the model in this process; with EngineCore in another process only the step times are collected
+* ``{"op": "ping"}``
 * ``{"op": "close"}`` (or EOF on stdin)
 
 Replies: first ``{"event": "ready", ...}`` (or ``{"event": "error", ...}``), then one
@@ -100,7 +108,43 @@ def _generate(llm: Any, req: dict[str, Any], default_max_tokens: int) -> dict[st
     return res
 
 
-def _shutdown(llm: Any, timeout_s: float) -> None:
+class _Timers:
+    """Step and lookup timers wrapped around an in-process engine (opt-in: spec ``instrument``)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.steps: list[float] = []
+        self.lookups: list[float] = []
+        engine = llm.llm_engine
+        engine.step = self._timed(engine.step, self.steps)
+        self.found = {"step": True, "lookup": False}
+        # InprocClient -> EngineCore (absent with EngineCore in another process: no lookup timer)
+        core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+        connector = getattr(getattr(core, "scheduler", None), "connector", None)
+        if connector is not None:
+            connector.get_num_new_matched_tokens = self._timed(
+                connector.get_num_new_matched_tokens, self.lookups
+            )
+            self.found["lookup"] = True
+
+    @staticmethod
+    def _timed(fn: Any, sink: list[float]) -> Any:
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                sink.append(time.perf_counter() - t0)
+
+        return timed
+
+    def take(self) -> dict[str, list[float]]:
+        res = {"step_s": list(self.steps), "lookup_s": list(self.lookups)}
+        self.steps.clear()
+        self.lookups.clear()
+        return res
+
+
+def _shutdown(llm: Any, timeout_s: float = 30.0) -> None:
     """Graceful stop with a generous grace period, so connector ``shutdown()`` hooks run even on a
     loaded machine (vLLM's default force-kills EngineCore after 5 s)."""
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
@@ -131,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
 
         t_import = time.perf_counter() - t0
         llm = _build_llm(spec)
+        timers = _Timers(llm) if spec.get("instrument") else None
     except BaseException:  # noqa: BLE001 - report every start failure to the parent
         _send(chan, {"event": "error", "error": traceback.format_exc()})
         return 1
     t_start = time.perf_counter() - t0
-    _send(chan, {"event": "ready", "pid": os.getpid(), "import_s": t_import, "start_s": t_start})
+    ready: dict[str, Any] = {"event": "ready", "pid": os.getpid(), "import_s": t_import, "start_s": t_start}
+    if timers is not None:
+        ready["instrumented"] = timers.found
+    _send(chan, ready)
 
     default_max_tokens = int(spec.get("max_tokens", 16))
     rc = 0
@@ -150,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if op == "generate":
                 _send(chan, {"ok": True, "result": _generate(llm, req, default_max_tokens)})
+            elif op == "timings":
+                if timers is None:
+                    raise RuntimeError("timings: start the engine with instrument=True")
+                _send(chan, {"ok": True, "result": timers.take()})
+            elif op == "reset_prefix_cache":
+                _send(chan, {"ok": True, "result": {"reset": bool(llm.reset_prefix_cache())}})
             elif op == "ping":
                 _send(chan, {"ok": True, "result": {"pid": os.getpid()}})
             else:

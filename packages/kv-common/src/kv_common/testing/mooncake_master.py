@@ -1,0 +1,113 @@
+"""A ``mooncake_master`` on loopback for tests and benchmarks (Mooncake Store rows).
+
+Standard library only: the binary comes with the ``mooncake-transfer-engine`` wheel (on PATH or next
+to the running interpreter). It runs in its own process group and is stopped by pid on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (racy by nature: use it at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MooncakeMaster:
+    """``mooncake_master`` on 127.0.0.1, as a context manager.
+
+    >>> with MooncakeMaster() as master:   # doctest: +SKIP
+    ...     cfg = {"master_server_address": master.address}
+    """
+
+    def __init__(self, lease_ttl_ms: int = 500, start_timeout_s: float = 10.0) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.lease_ttl_ms = lease_ttl_ms
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.address = f"127.0.0.1:{self.port}"
+        self._log: tempfile._TemporaryFileWrapper | None = None  # type: ignore[type-arg]
+
+    def __enter__(self) -> MooncakeMaster:
+        exe = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+        self._log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [
+                exe,
+                f"-rpc_port={self.port}",
+                "-rpc_address=127.0.0.1",
+                "-metrics_host=127.0.0.1",
+                f"-metrics_port={self.metrics_port}",
+                f"-default_kv_lease_ttl={self.lease_ttl_ms}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                rc = self.proc.returncode
+                tail = self.log_tail()
+                self.__exit__()
+                raise RuntimeError(f"mooncake_master exited rc={rc}: {tail}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+                return self
+            time.sleep(0.1)
+        tail = self.log_tail()
+        self.__exit__()
+        raise RuntimeError(f"mooncake_master did not listen on {self.address}: {tail}")
+
+    def log_tail(self, n: int = 2000) -> str:
+        if self._log is None:
+            return ""
+        try:
+            return Path(self._log.name).read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self._log is not None:
+            self._log.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._log.name)
+
+    def config_file(
+        self, directory: str | os.PathLike[str], segment: str = "512mb", buffer: str = "128mb"
+    ) -> str:
+        """Mooncake's JSON config file (vLLM's MooncakeStoreConnector reads MOONCAKE_CONFIG_PATH)."""
+        path = Path(directory) / f"mooncake-{self.port}.json"
+        path.write_text(
+            json.dumps(
+                {
+                    "local_hostname": "127.0.0.1",
+                    "metadata_server": "P2PHANDSHAKE",
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "master_server_address": self.address,
+                    "global_segment_size": segment,
+                    "local_buffer_size": buffer,
+                }
+            )
+        )
+        return str(path)
