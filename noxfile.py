@@ -31,6 +31,8 @@ ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_CONFIGURE_LOGGING": "1",
     "PYTHONFAULTHANDLER": "1",
+    # UCM's import hook logs to ./log unless told otherwise.
+    "UCM_LOG_PATH": os.path.join(os.environ.get("TMPDIR", "/tmp"), "kv-connectors-ucm-log"),
 }
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from kv_common.testing.engine import EngineProcess
 from kv_common.testing.mooncake_master import MooncakeMaster, free_port
 
-from benchmarks.report import ROOT
+from benchmarks.report import ROOT, progress
 
 __all__ = [
     "OUR_CONNECTORS",
@@ -34,6 +34,7 @@ __all__ = [
     "first_error_line",
     "free_port",
     "importable",
+    "runnable_rows",
     "scratch_dir",
 ]
 
@@ -197,3 +198,19 @@ ROW_CONNECTOR = {
 
 # Our three packages' connectors (the rows first checked with :func:`importable`).
 OUR_CONNECTORS = {"AscendStoreConnector", "UCMConnector", "MooncakeConnectorV1"}
+
+
+def runnable_rows(rows: list[str], env_var: str, desc: str, notes: list[str]) -> Iterator[str]:
+    """The rows to run, with a progress bar. ``env_var`` (comma-separated row names) restricts them;
+    a row whose connector is one of ours and does not import here is skipped with a note."""
+    only = [r.strip() for r in os.environ.get(env_var, "").split(",") if r.strip()]
+    import_errors: dict[str, str | None] = {}
+    for row in progress([r for r in rows if not only or r in only], desc=desc):
+        connector = ROW_CONNECTOR.get(row)
+        if connector in OUR_CONNECTORS:
+            if connector not in import_errors:
+                import_errors[connector] = importable(connector)
+            if import_errors[connector]:
+                notes.append(f"{row}: not run, {connector} does not import here: {import_errors[connector]}")
+                continue
+        yield row

@@ -12,21 +12,19 @@ the engine's process tree (psutil) is sampled every ``SAMPLE_EVERY`` requests.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 
 from benchmarks._engine import (
-    OUR_CONNECTORS,
     ROW_CONNECTOR,
     BenchEngine,
     MooncakeMaster,
     connector_configs,
     first_error_line,
-    importable,
+    runnable_rows,
     scratch_dir,
 )
-from benchmarks.report import Section, median, plot_path, progress, ratio, table
+from benchmarks.report import Section, median, plot_path, ratio, table
 
 MODEL: dict = {}  # the harness default tiny model (2 layers, hidden 128, 4 heads x 32)
 ROUND = 256
@@ -151,16 +149,7 @@ def run(quick: bool) -> Section:
     model_dir = cached_tiny_model(**MODEL)
     notes: list[str] = []
     results: dict[str, RowResult] = {}
-    import_errors: dict[str, str | None] = {}
-    only = [r.strip() for r in os.environ.get("KV_BENCH_OVERHEAD_ROWS", "").split(",") if r.strip()]
-    for row in progress([r for r in ROWS if not only or r in only], desc="overhead rows"):
-        connector = ROW_CONNECTOR.get(row)
-        if connector in OUR_CONNECTORS:
-            if connector not in import_errors:
-                import_errors[connector] = importable(connector)
-            if import_errors[connector]:
-                notes.append(f"{row}: not run, {connector} does not import here: {import_errors[connector]}")
-                continue
+    for row in runnable_rows(ROWS, "KV_BENCH_OVERHEAD_ROWS", "overhead rows", notes):
         t0 = time.monotonic()
         try:
             with scratch_dir("kv-bench-overhead-") as workdir:

@@ -16,20 +16,18 @@ two-hop flow without the proxy).
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Callable
 
 from benchmarks._engine import (
-    OUR_CONNECTORS,
     ROW_CONNECTOR,
     BenchEngine,
     MooncakeMaster,
     connector_configs,
     first_error_line,
     free_port,
-    importable,
+    runnable_rows,
     scratch_dir,
 )
 from benchmarks.report import Section, median, plot_path, progress, ratio, table
@@ -238,17 +236,8 @@ def run(quick: bool) -> Section:
     max_len = max(lengths) + 256
     notes: list[str] = []
     results: dict[str, Measured] = {}
-    import_errors: dict[str, str | None] = {}
-    only = [r.strip() for r in os.environ.get("KV_BENCH_TTFT_ROWS", "").split(",") if r.strip()]
-    for row in progress([r for r in ROWS if not only or r in only], desc="ttft rows"):
+    for row in runnable_rows(ROWS, "KV_BENCH_TTFT_ROWS", "ttft rows", notes):
         t0 = time.monotonic()
-        connector = ROW_CONNECTOR.get(row)
-        if connector in OUR_CONNECTORS:
-            if connector not in import_errors:
-                import_errors[connector] = importable(connector)
-            if import_errors[connector]:
-                notes.append(f"{row}: not run, {connector} does not import here: {import_errors[connector]}")
-                continue
         try:
             with scratch_dir("kv-bench-ttft-") as workdir:
                 if row == "recompute":
