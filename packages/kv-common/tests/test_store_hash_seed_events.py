@@ -6,6 +6,9 @@ import hashlib
 from types import SimpleNamespace
 
 import pytest
+
+pytest.importorskip("vllm")  # the start-up check and KV events are vLLM types
+
 from kv_common.store_connector.config import StoreConnectorConfig
 from kv_common.store_connector.connector import hash_seed_warning
 from kv_common.store_connector.metadata import StoreReport

@@ -15,7 +15,7 @@ from kv_common.backend import Backend
 from kv_common.embedded_backend import EmbeddedBackend
 from kv_common.store_connector import codec
 from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.metadata import BlockTransfer, StoreConnectorMetadata, StorePlan
+from kv_common.store_connector.metadata import BlockTransfer, StorePlan
 from kv_common.store_connector.scheduler import StoreScheduler
 from kv_common.store_connector.worker import StoreWorker
 
@@ -117,6 +117,9 @@ def test_save_then_lookup_then_load_roundtrip():
     assert worker.ledger.take_block_ids_with_load_errors() == set()
     # Metadata survives pickling (vLLM sends it to the worker process).
     import pickle
+
+    pytest.importorskip("vllm")
+    from kv_common.store_connector.vllm_metadata import StoreConnectorMetadata
 
     meta = pickle.loads(pickle.dumps(StoreConnectorMetadata(plan2)))
     assert meta.plan.loads[0].block_ids == [[9, 10, 11, 12]]

@@ -24,9 +24,9 @@ from kv_common.config import parse_extra_config
 from kv_common.failure_ledger import FailureLedger
 from kv_common.store_connector import keys as keys_mod
 from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.metadata import StoreConnectorMetadata, StoreWorkerMetadata
 from kv_common.store_connector.scheduler import StoreScheduler
 from kv_common.store_connector.stats import StoreStats, vllm_stats_class
+from kv_common.store_connector.vllm_metadata import StoreConnectorMetadata, StoreWorkerMetadata
 from kv_common.store_connector.worker import StoreWorker
 from kv_common.vllm_compat import base_module, forward_context_kv_caches, model_fingerprint, parallel_ranks
 

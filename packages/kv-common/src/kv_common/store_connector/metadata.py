@@ -1,12 +1,11 @@
-"""What the scheduler side tells the worker side each step, and what workers report back."""
+"""What the scheduler side tells the worker side each step, and what workers report back.
+
+Plain msgspec structs, importable without vLLM; the vLLM wrapper types are in ``vllm_metadata``.
+"""
 
 from __future__ import annotations
 
 import msgspec
-
-from kv_common.vllm_compat import base_module
-
-_base = base_module()
 
 
 class BlockTransfer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -23,48 +22,8 @@ class StorePlan(msgspec.Struct, kw_only=True):
     preempted: list[str] = []  # in-flight saves of these must finish before their blocks are reused
 
 
-class StoreConnectorMetadata(_base.KVConnectorMetadata):
-    """vLLM's metadata type wrapping the msgspec plan (vLLM pickles it between processes; the
-    payload itself is msgpack bytes so nothing but plain data crosses)."""
-
-    def __init__(self, plan: StorePlan) -> None:
-        self._wire = msgspec.msgpack.encode(plan)
-        self._plan: StorePlan | None = plan
-
-    @property
-    def plan(self) -> StorePlan:
-        if self._plan is None:
-            self._plan = msgspec.msgpack.decode(self._wire, type=StorePlan)
-        return self._plan
-
-    def __getstate__(self) -> dict:
-        return {"wire": self._wire}
-
-    def __setstate__(self, state: dict) -> None:
-        self._wire = state["wire"]
-        self._plan = None
-
-
 class StoreReport(msgspec.Struct, kw_only=True):
     """Worker -> scheduler: block hashes stored and found missing this step (for KV events)."""
 
     stored: list[bytes] = []
     removed: list[bytes] = []
-
-
-class StoreWorkerMetadata(_base.KVConnectorWorkerMetadata):
-    def __init__(self, report: StoreReport) -> None:
-        self.report = report
-
-    def aggregate(self, other: StoreWorkerMetadata) -> StoreWorkerMetadata:
-        # A block is stored only when every rank stored it; removed when any rank lost it.
-        mine = set(self.report.stored)
-        stored = [h for h in other.report.stored if h in mine]
-        removed = list(dict.fromkeys(self.report.removed + other.report.removed))
-        return StoreWorkerMetadata(StoreReport(stored=stored, removed=removed))
-
-    def __getstate__(self) -> dict:
-        return {"wire": msgspec.msgpack.encode(self.report)}
-
-    def __setstate__(self, state: dict) -> None:
-        self.report = msgspec.msgpack.decode(state["wire"], type=StoreReport)
