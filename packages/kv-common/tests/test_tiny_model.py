@@ -1,5 +1,4 @@
 import json
-import time
 
 import pytest
 
@@ -13,9 +12,7 @@ from kv_common.testing.tiny_model import build_tiny_llama, cached_tiny_model, pa
 
 def test_build_is_sane_and_cached(tmp_path):
     out = tmp_path / "m"
-    t0 = time.perf_counter()
     path = build_tiny_llama(out)
-    build_s = time.perf_counter() - t0
     assert path == out
 
     cfg = json.loads((out / "config.json").read_text())
@@ -46,9 +43,7 @@ def test_build_is_sane_and_cached(tmp_path):
 
     # Second call: nothing rebuilt (params.json matches).
     mtime = (out / "model.safetensors").stat().st_mtime_ns
-    t0 = time.perf_counter()
     assert build_tiny_llama(out) == out
-    assert time.perf_counter() - t0 < 0.5 < build_s
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
 
     # Different parameters in the same directory: rebuilt.
@@ -71,9 +66,9 @@ def test_cached_tiny_model_uses_cache_dir(tmp_path, monkeypatch):
     assert p1.parent == tmp_path / "cache"
     assert p1.name == params_hash(num_layers=1)
     assert (p1 / "params.json").is_file()
-    t0 = time.perf_counter()
+    mtime = (p1 / "model.safetensors").stat().st_mtime_ns
     assert cached_tiny_model(num_layers=1) == p1
-    assert time.perf_counter() - t0 < 0.5
+    assert (p1 / "model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
     assert not list((tmp_path / "cache").glob("*.build-*"))
 
 
