@@ -91,10 +91,17 @@ class MooncakeTransferEngine:
             if deadline is not None and time.monotonic() > deadline:
                 raise TransferError("batch_transfer_sync_read", -1, f"deadline passed after {start}/{n} reads from {peer}")
             end = min(n, start + self.max_inflight)
-            with lock:
+            # The per-peer lock keeps us under the engine's queue limit; waiting for it counts
+            # against the pull's deadline like everything else.
+            wait_s = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            if not lock.acquire(timeout=wait_s):
+                raise TransferError("batch_transfer_sync_read", -1, f"deadline passed waiting for {peer}")
+            try:
                 rc = self._engine.batch_transfer_sync_read(
                     peer, list(local_addrs[start:end]), list(remote_addrs[start:end]), list(lengths[start:end])
                 )
+            finally:
+                lock.release()
             if rc != 0:
                 raise TransferError("batch_transfer_sync_read", rc, f"{end - start} reads from {peer}")
             total += sum(lengths[start:end])
