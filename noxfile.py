@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.error_on_missing_interpreters = True
