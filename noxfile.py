@@ -60,7 +60,7 @@ def tests(session: nox.Session, package: str) -> None:
     session.install(_pkg("kv-common", "testing"))
     if package == "kv-common" and session.python == "3.11":
         # The store worker moves torch tensors; the local CPU wheel keeps this venv small.
-        session.install("torch==2.13.0")
+        session.install("torch==2.13.0", "numpy")
     if package != "kv-common":
         session.install(_pkg(package, TEST_EXTRAS[package]))
     if package == "kv-ucm" and session.python == "3.12":
