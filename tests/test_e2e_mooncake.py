@@ -45,8 +45,8 @@ MAX_TOKENS = 12
 HOLD_TIMEOUT_S = 60.0  # far above anything a loaded machine needs between prefill and pull
 SHORT_HOLD_S = 2.0  # per request, for the expiry test
 PULL_TIMEOUT_S = 20.0
-X_PULL_TIMEOUT_S = 10.0
-X_CHUNK_DELAY_S = 1.5  # test-only: X's pulls sleep after the lease and after each TE chunk
+X_PULL_TIMEOUT_S = 30.0  # X pulls one block-layer per chunk with a delay after each: keep well clear
+X_CHUNK_DELAY_S = 0.5  # test-only: X's pulls sleep after the lease and after each TE chunk
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -102,7 +102,7 @@ def engines():
     specs = {
         "p1": (_config("kv_producer", P1_PORT), "0"),
         "x": (_config("kv_both", X_PORT, "recompute", max_inflight_transfers=1,
-                      pull_timeout_s=X_PULL_TIMEOUT_S, debug_pull_chunk_delay_s=X_CHUNK_DELAY_S), "1"),
+                      pull_timeout_s=X_PULL_TIMEOUT_S, debug_pull_chunk_delay_s=X_CHUNK_DELAY_S), "nobind"),
         "d": (_config("kv_consumer", D_PORT, "fail", decode_side_channel=True), "1"),
     }
     engs = {name: EngineProcess(model, kv_transfer_config=cfg, cpu_bind=bind, name=name, **common)
