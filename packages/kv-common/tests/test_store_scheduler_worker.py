@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -103,7 +104,8 @@ def test_save_then_lookup_then_load_roundtrip():
     report = worker.take_report()
     sched.on_worker_report(report)
     assert len(report.stored) == 4
-    assert sched.take_events()  # BlockStored
+    if importlib.util.find_spec("vllm") is not None:  # KV events are vLLM types
+        assert sched.take_events()  # BlockStored
 
     # Same prompt again: all 4 blocks present, prompt 18 tokens -> 16 tokens from the store.
     req2 = FakeRequest("b", list(range(18)))
