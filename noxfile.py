@@ -121,3 +121,13 @@ def bench(session: nox.Session) -> None:
     session.install("matplotlib", "tqdm", "psutil", MOONCAKE_CPU)
     _install_all_packages(session)
     session.run("python", "-m", "benchmarks", *session.posargs, env=ENV)
+
+
+@nox.session(python="3.12", name="bench-ucm-3.12")
+def bench_ucm(session: nox.Session) -> None:
+    """The UCM TTFT rows (UCM wheels are Python 3.12 only), appended to BENCHMARKS.md after `bench`."""
+    _install_engine(session)
+    _install_ucm(session)
+    session.install("matplotlib", "tqdm", "psutil")
+    session.install(_pkg("kv-common", "testing"), _pkg("kv-ucm"))
+    session.run("python", "-m", "benchmarks", "--only", "bench_ucm", "--append", *session.posargs, env=ENV)

@@ -17,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--only", nargs="*", default=None, help="bench module names, e.g. bench_mooncake")
     parser.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add the sections to an existing report (e.g. the UCM row, which needs Python 3.12)",
+    )
     args = parser.parse_args(argv)
     names = sorted(m.name for m in pkgutil.iter_modules([str(ROOT / "benchmarks")]) if m.name.startswith("bench_"))
     if args.only:
@@ -32,14 +37,20 @@ def main(argv: list[str] | None = None) -> int:
             section = Section(title=name, notes=[f"failed: {type(exc).__name__}: {exc}"])
         section.notes.append(f"took {time.monotonic() - started:.0f} s")
         sections.append(section)
-    command = "nox -s bench" + (" -- --quick" if args.quick else "")
-    out = [
-        "# Benchmarks",
-        "",
-        f"Machine: {machine()}. Command: `{command}`. Every number is a median of several runs;",
-        "ratios compare against the raw engine or backend measured in the same run.",
-        "",
-    ]
+    session = "bench-ucm-3.12" if args.append else "bench"
+    command = f"nox -s {session}" + (" -- --quick" if args.quick else "")
+    if args.append:
+        with open(args.output) as fh:
+            out = [fh.read().rstrip(), "", f"<!-- appended by `{command}` on {machine()} -->", ""]
+    else:
+        out = [
+            "# Benchmarks",
+            "",
+            f"Machine: {machine()}. Command: `{command}` (the UCM section: `nox -s bench-ucm-3.12`).",
+            "Every number is a median of several runs; ratios compare against the raw engine or",
+            "backend measured in the same run.",
+            "",
+        ]
     for s in sections:
         out += [f"## {s.title}", ""]
         if s.summary:
