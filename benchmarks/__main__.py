@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import re
 import sys
 import time
 import traceback
@@ -41,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     command = f"nox -s {session}" + (" -- --quick" if args.quick else "")
     if args.append:
         with open(args.output) as fh:
-            out = [fh.read().rstrip(), "", f"<!-- appended by `{command}` on {machine()} -->", ""]
+            existing = fh.read()
+        for s in sections:  # replace a "not run here" placeholder of the same section
+            existing = re.sub(rf"## {re.escape(s.title)}\n(?:(?!\n## |\n<!--).)*", "", existing, flags=re.S)
+        out = [existing.rstrip(), "", f"<!-- appended by `{command}` on {machine()} -->", ""]
     else:
         out = [
             "# Benchmarks",
