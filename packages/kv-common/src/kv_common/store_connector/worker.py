@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -320,24 +320,37 @@ class StoreWorker:
                 logger.warning("store get failed for %s: %s", transfer.request_id, exc)
                 results = [-1] * n
             seconds = time.perf_counter() - t0
-            good = 0
-            why = ""
-            for i in range(n):
-                if results[i] < 0:
-                    why = "miss"
-                    break
-                problem = codec.check_value(values[i], self.payload_size, results[i])
-                if problem is not None:
-                    why = f"corrupt ({problem})"
-                    break
-                good += 1
-            self.stats.record_get(good * self.value_size, seconds)
-            self.stats.incr("blocks_loaded", good)
-            if good < n:
-                self._fail(transfer, good, why)
+            good = self._settle_fetch(
+                transfer, results, seconds, lambda i, nbytes, values=values: codec.check_value(values[i], self.payload_size, nbytes)
+            )
             out.append(_Fetched(transfer, good, row))
             row += n
         return out
+
+    def _settle_fetch(
+        self,
+        transfer: BlockTransfer,
+        results: Sequence[int],
+        seconds: float,
+        check: Callable[[int, int], str | None],
+    ) -> int:
+        """Count the leading blocks that arrived intact (``check(i, nbytes)`` names a problem or
+        None); record stats, and report the first bad block and all after it for recompute."""
+        good, why = 0, ""
+        for i, nbytes in enumerate(results):
+            if nbytes < 0:
+                why = "miss"
+                break
+            problem = check(i, nbytes)
+            if problem is not None:
+                why = f"corrupt ({problem})"
+                break
+            good += 1
+        self.stats.record_get(good * self.value_size, seconds)
+        self.stats.incr("blocks_loaded", good)
+        if good < len(transfer.block_hashes):
+            self._fail(transfer, good, why)
+        return good
 
     def _fail(self, transfer: BlockTransfer, good: int, why: str) -> None:
         n = len(transfer.block_hashes)
@@ -386,21 +399,9 @@ class StoreWorker:
             logger.warning("store get failed for %s: %s", transfer.request_id, exc)
             results = [-1] * n
         seconds = time.perf_counter() - t0
-        good, why = 0, ""
-        for i in range(n):
-            if results[i] < 0:
-                why = "miss"
-                break
-            problem = codec.check_parts(values[i][:-1], values[i][-1], results[i])
-            if problem is not None:
-                why = f"corrupt ({problem})"
-                break
-            good += 1
-        self.stats.record_get(good * self.value_size, seconds)
-        self.stats.incr("blocks_loaded", good)
-        if good < n:
-            self._fail(transfer, good, why)
-        return good
+        return self._settle_fetch(
+            transfer, results, seconds, lambda i, nbytes: codec.check_parts(values[i][:-1], values[i][-1], nbytes)
+        )
 
     def load_sync(self, plan: StorePlan) -> None:
         staging = self._load_staging
