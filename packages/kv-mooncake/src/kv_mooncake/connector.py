@@ -41,7 +41,7 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):
         self.config = load_config(dict(ktc.kv_connector_extra_config or {}))
         self.engine_id = str(ktc.engine_id)
         par = _parallel(vllm_config)
-        world = par["tp"] * par["pcp"] * par["dcp"]
+        world = par["tp"] * par["pcp"]  # DCP reuses the TP ranks
         port = side_channel_base_port(self.config, int(ktc.kv_port), par["dp_rank"], world)
         is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self._scheduler: MooncakeScheduler | None = None
@@ -57,14 +57,21 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):
             fp = vllm_compat.model_fingerprint(vllm_config)
             ranks = vllm_compat.parallel_ranks()  # 0 where a group is not initialised
             tp_rank, pcp_rank, dcp_rank = ranks["tp_rank"], ranks["pcp_rank"], ranks["dcp_rank"]
+            # PCP/DCP ranks come from vLLM's groups (all 0 on CPU: PCP/DCP need GPU attention
+            # backends). The pull plan derives every peer's DCP rank as tp_rank % dcp: refuse a
+            # platform whose DCP groups are laid out differently rather than pull wrong tokens.
+            if dcp_rank != tp_rank % par["dcp"]:
+                raise ValueError(
+                    f"MooncakeConnectorV1: DCP rank {dcp_rank} on TP rank {tp_rank} (DCP {par['dcp']}); "
+                    "the pull plan expects DCP groups of consecutive TP ranks (dcp_rank == tp_rank % dcp)"
+                )
             use_mla = bool(fp["use_mla"])
             total_heads = 1 if use_mla else int(model.get_total_num_kv_heads())
             self._worker = MooncakeWorker(
                 self.config, engine_id=self.engine_id, is_producer=is_producer, is_consumer=is_consumer,
                 side_channel_port=port,
-                # PCP/DCP ranks come from vLLM's groups (all 0 on CPU: PCP/DCP need GPU attention backends).
-                prefill_rank=PrefillRank(tp_rank, pcp_rank * par["dcp"] + dcp_rank),
-                decode_rank=DecodeRank(tp_rank, dcp_rank),
+                prefill_rank=PrefillRank(tp_rank, pcp_rank),
+                decode_rank=DecodeRank(tp_rank),
                 prefill_layout=PrefillLayout(tp_size=par["tp"], total_kv_heads=total_heads,
                                              pcp_size=par["pcp"], dcp_size=par["dcp"], use_mla=use_mla),
                 decode_layout=DecodeLayout(tp_size=par["tp"], dcp_size=par["dcp"]),

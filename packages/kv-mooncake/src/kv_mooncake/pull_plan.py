@@ -3,15 +3,22 @@
 Model of the KV cache (per layer, per rank): ``[num_blocks, heads_on_rank, block_size, 2*head_size]``
 so a run of heads inside one block is one contiguous byte range.
 
+* Ranks: an instance has ``tp * pcp`` ranks. Decode context parallelism (DCP) adds no ranks: as in
+  vLLM, it reuses the TP ranks, and TP rank ``t`` is DCP rank ``t % dcp`` (DCP groups are runs of
+  consecutive TP ranks).
 * Heads: with ``H`` KV heads in total and TP size ``T``, rank ``r`` holds heads
   ``[r*H/T, (r+1)*H/T)`` when ``H >= T``; when ``H < T`` (GQA with more ranks than heads) it holds the
-  single head ``r // (T/H)``, replicated on ``T/H`` ranks. MLA keeps one latent "head" on every rank.
-* Tokens: context parallelism shards whole blocks round-robin. Logical block ``b`` of a request is on
-  prefill context rank ``b % Cp`` (``Cp = pcp*dcp``) at position ``b // Cp`` of the request's block
-  list, and belongs to decode context rank ``b % Dcp`` at position ``b // Dcp``.
-* Replicas: when several prefill ranks hold the same head (GQA replicas, or MLA), the source is chosen
-  from a seed both instances derive from the request id, so the prefill and every decode rank agree
-  without talking, and the load spreads over the replicas.
+  single head ``r // (T/H)``, replicated on ``T/H`` consecutive ranks. DCP shards tokens over those
+  replicas, so a DCP group must sit inside one head's replicas (vLLM requires ``T > H`` for GQA
+  DCP). MLA keeps one latent "head" on every rank.
+* Tokens: context parallelism shards whole blocks round-robin (vLLM's block-level interleave,
+  ``cp_kv_cache_interleave_size == block_size``). A prefill rank holds token shard
+  ``pcp_rank * dcp + dcp_rank`` of ``Cp = pcp * dcp``: logical block ``b`` of a request is in shard
+  ``b % Cp`` at position ``b // Cp`` of the request's block list (the block table is shared by the
+  shard's ranks), and belongs to decode DCP rank ``b % Dcp`` at position ``b // Dcp``.
+* Replicas: when several prefill ranks hold the same head and shard (GQA replicas, or MLA), the
+  source is chosen from a seed both instances derive from the request id, so the prefill and every
+  decode rank agree without talking, and the load spreads over the replicas.
 """
 
 from __future__ import annotations
@@ -25,6 +32,22 @@ class PlanError(ValueError):
     """The two layouts cannot exchange KV blocks (for example heads that do not divide)."""
 
 
+class PrefillRank(NamedTuple):
+    tp_rank: int
+    pcp_rank: int = 0
+
+    def index(self, layout: PrefillLayout) -> int:
+        """Offset of this rank's side-channel port from the instance's base port."""
+        return self.pcp_rank * layout.tp_size + self.tp_rank
+
+
+class DecodeRank(NamedTuple):
+    tp_rank: int
+
+    def index(self, layout: DecodeLayout) -> int:
+        return self.tp_rank
+
+
 @dataclass(frozen=True)
 class PrefillLayout:
     tp_size: int
@@ -36,14 +59,18 @@ class PrefillLayout:
 
     @property
     def cp_size(self) -> int:
+        """Token shards: every (pcp rank, dcp rank) pair holds one."""
         return self.pcp_size * self.dcp_size
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.cp_size
+        return self.tp_size * self.pcp_size
 
     def ranks(self) -> list[PrefillRank]:
-        return [PrefillRank(t, c) for c in range(self.cp_size) for t in range(self.tp_size)]
+        return [PrefillRank(t, p) for p in range(self.pcp_size) for t in range(self.tp_size)]
+
+    def shard_of(self, rank: PrefillRank) -> int:
+        return rank.pcp_rank * self.dcp_size + rank.tp_rank % self.dcp_size
 
 
 @dataclass(frozen=True)
@@ -54,24 +81,13 @@ class DecodeLayout:
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.dcp_size
+        return self.tp_size
 
     def ranks(self) -> list[DecodeRank]:
-        return [DecodeRank(t, d) for d in range(self.dcp_size) for t in range(self.tp_size)]
+        return [DecodeRank(t) for t in range(self.tp_size)]
 
-
-class PrefillRank(NamedTuple):
-    tp_rank: int
-    cp_rank: int = 0  # pcp_rank * dcp_size + dcp_rank
-
-    def index(self, layout: PrefillLayout) -> int:
-        """Offset of this rank's side-channel port from the instance's base port."""
-        return self.cp_rank * layout.tp_size + self.tp_rank
-
-
-class DecodeRank(NamedTuple):
-    tp_rank: int
-    dcp_rank: int = 0
+    def dcp_rank_of(self, rank: DecodeRank) -> int:
+        return rank.tp_rank % self.dcp_size
 
 
 @dataclass(frozen=True)
@@ -111,23 +127,28 @@ def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int, use_mla: bool = 
     return tp_rank // (tp_size // total_heads), 1
 
 
-def _source_tp_rank(prefill: PrefillLayout, head: int, decode_tp_rank: int, seed: int) -> int:
+def _source_tp_rank(prefill: PrefillLayout, head: int, dcp_rank: int, decode_tp_rank: int, seed: int) -> int:
+    """The prefill TP rank that serves ``head`` for the token shard of DCP rank ``dcp_rank``."""
+    dcp = prefill.dcp_size
     if prefill.use_mla:
-        return seed % prefill.tp_size  # one copy, the same rank for every decode rank
+        # One copy, the same rank for every decode rank: candidates are the ranks of that DCP rank.
+        return (seed % (prefill.tp_size // dcp)) * dcp + dcp_rank
     heads, tp = prefill.total_kv_heads, prefill.tp_size
     if heads >= tp:
-        return head // (heads // tp)
-    replicas = tp // heads
-    return head * replicas + (seed + decode_tp_rank) % replicas
+        return head // (heads // tp)  # dcp is 1 here (validated)
+    choices = (tp // heads) // dcp  # replicas of the head that hold this shard
+    return head * (tp // heads) + dcp_rank + ((seed + decode_tp_rank) % choices) * dcp
 
 
-def _head_spans(prefill: PrefillLayout, decode: DecodeLayout, tp_rank: int, seed: int) -> dict[int, list[HeadSpan]]:
-    """Source TP rank -> spans of heads this decode TP rank reads from it."""
+def _head_spans(
+    prefill: PrefillLayout, decode: DecodeLayout, tp_rank: int, dcp_rank: int, seed: int
+) -> dict[int, list[HeadSpan]]:
+    """Source TP rank -> spans of heads this decode TP rank reads from it, for one prefill DCP rank."""
     first, count = heads_of_rank(prefill.total_kv_heads, decode.tp_size, tp_rank, prefill.use_mla)
     spans: dict[int, list[HeadSpan]] = {}
     for local in range(count):
         head = first + local
-        src_tp = _source_tp_rank(prefill, head, tp_rank, seed)
+        src_tp = _source_tp_rank(prefill, head, dcp_rank, tp_rank, seed)
         src_first, _ = heads_of_rank(prefill.total_kv_heads, prefill.tp_size, src_tp, prefill.use_mla)
         src_local = head - src_first
         rank_spans = spans.setdefault(src_tp, [])
@@ -137,6 +158,16 @@ def _head_spans(prefill: PrefillLayout, decode: DecodeLayout, tp_rank: int, seed
         else:
             rank_spans.append(HeadSpan(src_local, local, 1))
     return spans
+
+
+def _validate_dcp(side: str, tp: int, dcp: int, heads: int, use_mla: bool) -> None:
+    if tp % dcp:
+        raise PlanError(f"{side}: TP {tp} is not a multiple of DCP {dcp} (DCP reuses the TP ranks)")
+    if dcp > 1 and not use_mla and (heads >= tp or (tp // heads) % dcp):
+        raise PlanError(
+            f"{side}: DCP {dcp} needs each DCP group inside one KV head's replicas "
+            f"(TP {tp} / {heads} KV heads = {tp / heads:g} replicas, not a multiple of {dcp})"
+        )
 
 
 def validate(prefill: PrefillLayout, decode: DecodeLayout) -> None:
@@ -150,6 +181,9 @@ def validate(prefill: PrefillLayout, decode: DecodeLayout) -> None:
             raise PlanError("total_kv_heads must be >= 1")
         heads_of_rank(prefill.total_kv_heads, prefill.tp_size, 0)
         heads_of_rank(prefill.total_kv_heads, decode.tp_size, 0)
+    heads = prefill.total_kv_heads
+    _validate_dcp("prefill", prefill.tp_size, prefill.dcp_size, heads, prefill.use_mla)
+    _validate_dcp("decode", decode.tp_size, decode.dcp_size, heads, prefill.use_mla)
 
 
 def plan_pulls(
@@ -163,19 +197,20 @@ def plan_pulls(
     """What decode ``rank`` reads for a request of ``num_blocks`` logical blocks, of which the first
     ``skip_blocks`` are already computed locally (prefix-cache hit)."""
     validate(prefill, decode)
-    if not (0 <= rank.tp_rank < decode.tp_size and 0 <= rank.dcp_rank < decode.dcp_size):
+    if not 0 <= rank.tp_rank < decode.tp_size:
         raise PlanError(f"decode rank {rank} outside layout {decode}")
-    spans = _head_spans(prefill, decode, rank.tp_rank, seed)
-    cp = prefill.cp_size
-    blocks_by_cp: dict[int, list[tuple[int, int]]] = {}
+    cp, my_dcp = prefill.cp_size, decode.dcp_rank_of(rank)
+    blocks_by_shard: dict[int, list[tuple[int, int]]] = {}
     for block in range(max(0, skip_blocks), num_blocks):
-        if block % decode.dcp_size != rank.dcp_rank:
-            continue
-        blocks_by_cp.setdefault(block % cp, []).append((block // cp, block // decode.dcp_size))
+        if block % decode.dcp_size == my_dcp:
+            blocks_by_shard.setdefault(block % cp, []).append((block // cp, block // decode.dcp_size))
     pulls = []
-    for src_tp in sorted(spans):
-        for cp_rank in sorted(blocks_by_cp):
-            pulls.append(RankPull(PrefillRank(src_tp, cp_rank), tuple(spans[src_tp]), tuple(blocks_by_cp[cp_rank])))
+    for shard in sorted(blocks_by_shard):
+        pcp_rank, dcp_rank = divmod(shard, prefill.dcp_size)
+        spans = _head_spans(prefill, decode, rank.tp_rank, dcp_rank, seed)
+        for src_tp in sorted(spans):
+            pulls.append(RankPull(PrefillRank(src_tp, pcp_rank), tuple(spans[src_tp]),
+                                  tuple(blocks_by_shard[shard])))
     return pulls
 
 

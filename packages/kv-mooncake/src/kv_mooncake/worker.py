@@ -95,7 +95,7 @@ class MooncakeWorker:
         is_consumer: bool,
         side_channel_port: int,
         prefill_rank: PrefillRank = PrefillRank(0, 0),
-        decode_rank: DecodeRank = DecodeRank(0, 0),
+        decode_rank: DecodeRank = DecodeRank(0),
         decode_layout: DecodeLayout = DecodeLayout(1),
         prefill_layout: PrefillLayout | None = None,
         total_kv_heads: int = 1,
@@ -113,7 +113,7 @@ class MooncakeWorker:
         self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
         self._compat_base = dict(compatibility_base or {})
         self._engine_factory = engine_factory
-        self.reader_id = f"{engine_id}:{decode_rank.tp_rank}:{decode_rank.dcp_rank}"
+        self.reader_id = f"{engine_id}:{decode_rank.tp_rank}"
 
         self.stats = TransferStatsBase()
         self.ledger = FailureLedger()
@@ -174,8 +174,7 @@ class MooncakeWorker:
             if self.is_producer:
                 port = self.side_channel_port + self.prefill_rank.index(self.prefill_layout)
             else:
-                port = self.side_channel_port + self.decode_rank.dcp_rank * self.decode_layout.tp_size \
-                    + self.decode_rank.tp_rank  # the order of DecodeLayout.ranks()
+                port = self.side_channel_port + self.decode_rank.index(self.decode_layout)
             self.server = side_channel.SideChannelServer(
                 self.config.side_channel_host, port, self.handle, P.REQUEST_TYPES,
                 self.config.max_message_bytes, name=f"mooncake-side-channel:{port}",
@@ -439,7 +438,7 @@ class MooncakeWorker:
         # Always DONE, also after a failure: the prefill must not wait for us until expiry.
         owed: list[tuple[str, msgspec.Struct]] = []
         for rank, n in counts.items():
-            if n == 0 and self.decode_rank == DecodeRank(0, 0):  # one decode rank tells the idle ranks
+            if n == 0 and self.decode_rank == DecodeRank(0):  # one decode rank tells the idle ranks
                 owed.append((self._peer_address(source, rank, prefill),
                              P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
         for pull in pulls:
@@ -546,7 +545,7 @@ class MooncakeWorker:
     def _tell_free(self, source: RemoteSource) -> None:
         """Nothing will be pulled for this request (aborted, or a full local hit): free it there."""
         prefill = self._layouts(source)
-        if self.decode_rank != DecodeRank(0, 0):
+        if self.decode_rank != DecodeRank(0):
             return
         for rank in prefill.ranks():
             self._notify(self._peer_address(source, rank, prefill),

