@@ -27,7 +27,6 @@ pytest.importorskip("mooncake.engine")
 from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 from kv_mooncake.worker import query_leaks  # noqa: E402
-
 from test_e2e_mooncake import _forward, _prefill, _prompts  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

@@ -9,6 +9,7 @@ import pytest
 import zmq
 from kv_common.side_channel import (
     ErrorReply,
+    SideChannelClient,
     SideChannelError,
     SideChannelServer,
     SideChannelTimeout,
@@ -258,3 +259,79 @@ def test_untagged_structs_are_refused():
 def test_bad_address():
     with pytest.raises(ValueError, match="host:port"):
         request("no-port", Ping("x"), (Pong,), timeout_s=0.1)
+
+
+def test_client_keeps_one_connection_per_peer_and_closes_it(server):
+    before = open_socket_count()
+    client = SideChannelClient((Pong,))
+    for i in range(20):
+        assert client.request(server.address, Ping(f"m{i}"), timeout_s=5) == Pong(f"M{i}")
+    assert client.idle_socket_count() == 1  # 20 requests, one connection
+    assert open_socket_count() == before + 1
+    client.close()
+    assert open_socket_count() == before
+    with pytest.raises(SideChannelError, match="closed"):
+        client.request(server.address, Ping("late"), timeout_s=1)
+
+
+def test_client_drops_a_timed_out_socket_so_a_late_reply_is_never_misread():
+    # A ROUTER that answers the first request only after the client gave up on it: the late reply
+    # must not become the answer to the second request.
+    ctx = zmq.Context()
+    slow = ctx.socket(zmq.ROUTER)
+    port = slow.bind_to_random_port("tcp://127.0.0.1")
+    client = SideChannelClient((Pong,))
+    before = open_socket_count()
+    try:
+        with pytest.raises(SideChannelTimeout):
+            client.request(f"127.0.0.1:{port}", Ping("first"), timeout_s=0.3)
+        assert open_socket_count() == before  # the stuck socket was closed, not kept
+        frames = slow.recv_multipart()
+        slow.send_multipart(frames[:-1] + [msgspec.msgpack.encode(Pong("LATE FIRST"))])
+
+        def answer_second() -> None:
+            frames = slow.recv_multipart()
+            slow.send_multipart(frames[:-1] + [msgspec.msgpack.encode(Pong("SECOND"))])
+
+        t = threading.Thread(target=answer_second)
+        t.start()
+        assert client.request(f"127.0.0.1:{port}", Ping("second"), timeout_s=5) == Pong("SECOND")
+        t.join(5)
+    finally:
+        client.close()
+        slow.close(0)
+        ctx.term()
+    assert open_socket_count() == before
+
+
+def test_client_is_safe_across_threads_and_bounded(server):
+    client = SideChannelClient((Pong,), max_idle_per_peer=3)
+    results: list[str] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        for j in range(10):
+            reply = client.request(server.address, Ping(f"t{i}-{j}"), timeout_s=5)
+            with lock:
+                results.append(reply.payload)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == sorted(f"T{i}-{j}" for i in range(8) for j in range(10))
+    assert client.idle_socket_count() <= 3
+    client.close()
+    assert client.idle_socket_count() == 0
+
+
+def test_client_error_reply_keeps_the_connection_usable(server):
+    client = SideChannelClient((Pong,))
+    try:
+        with pytest.raises(SideChannelError, match="kaboom"):
+            client.request(server.address, Boom(), timeout_s=5)
+        assert client.request(server.address, Ping("after"), timeout_s=5) == Pong("AFTER")
+        assert client.idle_socket_count() == 1
+    finally:
+        client.close()

@@ -7,6 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from kv_mooncake.pull_plan import (
     DecodeLayout,
+    DecodeRank,
     PlanError,
     PrefillLayout,
     expected_done_count,
@@ -15,7 +16,6 @@ from kv_mooncake.pull_plan import (
     readers_per_prefill_rank,
     request_seed,
 )
-from kv_mooncake.pull_plan import DecodeRank
 
 SIZES = st.integers(1, 16)
 

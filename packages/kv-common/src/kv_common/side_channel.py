@@ -1,4 +1,5 @@
-"""Request/reply side channel over ZeroMQ: a ROUTER server thread and short-lived REQ clients.
+"""Request/reply side channel over ZeroMQ: a ROUTER server thread and REQ clients (one-shot, or kept
+open per peer by :class:`SideChannelClient`).
 
 Messages are msgspec Structs encoded with msgpack; a peer can only ever make us build the Struct
 types we list, never arbitrary objects (no pickle). Every socket has a size limit and a deadline
@@ -11,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -225,34 +227,37 @@ class SideChannelServer:
         return envelope + [encoded]
 
 
-def request(
-    address: str,
-    message: msgspec.Struct,
-    reply_types: tuple[type, ...],
-    timeout_s: float,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-) -> msgspec.Struct:
-    """Send one request to ``address`` ('host:port') and return its reply, within ``timeout_s``."""
-    decoder = _decoder(reply_types, with_error=True)
+def _encode_request(message: msgspec.Struct, max_message_bytes: int) -> bytes:
     payload = msgspec.msgpack.encode(message)
     if len(payload) > max_message_bytes:
         raise SideChannelError(f"request of {len(payload)} bytes exceeds the limit of {max_message_bytes}")
-    endpoint = _endpoint(address)
-    deadline = time.monotonic() + timeout_s
+    return payload
+
+
+def _connect(endpoint: str, max_message_bytes: int) -> zmq.Socket:
     sock = _new_socket(zmq.REQ, max_message_bytes)
     try:
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(endpoint)
-        sock.send(payload, zmq.NOBLOCK)  # REQ queues until connected; the deadline covers it
-        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        if not sock.poll(remaining_ms, zmq.POLLIN):
-            raise SideChannelTimeout(f"no reply from {address} within {timeout_s:.3g}s")
-        raw = sock.recv(zmq.NOBLOCK)
-    except zmq.ZMQError as exc:
-        raise SideChannelError(f"side channel to {address} failed: {exc}") from exc
-    finally:
+    except zmq.ZMQError:
         _close_socket(sock)
+        raise
+    return sock
+
+
+def _exchange(sock: zmq.Socket, payload: bytes, address: str, timeout_s: float) -> bytes:
+    """One send + receive on a REQ socket within ``timeout_s``; raises on silence or socket errors.
+    After a raise the socket is mid-exchange and must be closed, never reused."""
+    deadline = time.monotonic() + timeout_s
+    sock.send(payload, zmq.NOBLOCK)  # REQ queues until connected; the deadline covers it
+    remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+    if not sock.poll(remaining_ms, zmq.POLLIN):
+        raise SideChannelTimeout(f"no reply from {address} within {timeout_s:.3g}s")
+    return sock.recv(zmq.NOBLOCK)
+
+
+def _decode_reply(decoder: msgspec.msgpack.Decoder, raw: bytes, address: str) -> msgspec.Struct:
     try:
         reply = decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -260,3 +265,120 @@ def request(
     if isinstance(reply, ErrorReply):
         raise SideChannelError(f"{address} answered with an error: {reply.message}")
     return reply
+
+
+def request(
+    address: str,
+    message: msgspec.Struct,
+    reply_types: tuple[type, ...],
+    timeout_s: float,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> msgspec.Struct:
+    """Send one request to ``address`` ('host:port') and return its reply, within ``timeout_s``.
+    Opens and closes its own connection: for repeated traffic to the same peers use
+    :class:`SideChannelClient`."""
+    decoder = _decoder(reply_types, with_error=True)
+    payload = _encode_request(message, max_message_bytes)
+    endpoint = _endpoint(address)
+    try:
+        sock = _connect(endpoint, max_message_bytes)
+    except zmq.ZMQError as exc:
+        raise SideChannelError(f"side channel to {address} failed: {exc}") from exc
+    try:
+        raw = _exchange(sock, payload, address, timeout_s)
+    except zmq.ZMQError as exc:
+        raise SideChannelError(f"side channel to {address} failed: {exc}") from exc
+    finally:
+        _close_socket(sock)
+    return _decode_reply(decoder, raw, address)
+
+
+class SideChannelClient:
+    """Requests to a set of peers over kept-open connections (thread-safe).
+
+    A new TCP connection per message costs milliseconds (connect, ZMTP handshake); a decode rank
+    talks to the same prefill ranks several times per pull. Each idle REQ socket is kept per peer
+    and reused; a socket whose exchange failed or timed out is closed (a REQ socket is then stuck
+    mid-exchange), so a late reply can never be read as the answer to a later request. At most
+    ``max_idle_per_peer`` idle sockets per peer and ``max_peers`` peers are kept (least recently
+    used peers are dropped first).
+    """
+
+    def __init__(
+        self,
+        reply_types: tuple[type, ...],
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_idle_per_peer: int = 4,
+        max_peers: int = 64,
+    ):
+        self._decoder = _decoder(reply_types, with_error=True)
+        self._max_bytes = max_message_bytes
+        self._max_idle, self._max_peers = max_idle_per_peer, max_peers
+        self._idle: OrderedDict[str, list[zmq.Socket]] = OrderedDict()  # endpoint -> idle sockets
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._closed = False
+
+    def request(self, address: str, message: msgspec.Struct, timeout_s: float) -> msgspec.Struct:
+        payload = _encode_request(message, self._max_bytes)
+        endpoint = _endpoint(address)
+        try:
+            sock = self._checkout(endpoint)
+        except zmq.ZMQError as exc:
+            raise SideChannelError(f"side channel to {address} failed: {exc}") from exc
+        try:
+            raw = _exchange(sock, payload, address, timeout_s)
+        except zmq.ZMQError as exc:
+            _close_socket(sock)
+            raise SideChannelError(f"side channel to {address} failed: {exc}") from exc
+        except BaseException:
+            _close_socket(sock)
+            raise
+        self._checkin(endpoint, sock)
+        return _decode_reply(self._decoder, raw, address)
+
+    def _checkout(self, endpoint: str) -> zmq.Socket:
+        with self._lock:
+            if self._closed:
+                raise SideChannelError("side channel client is closed")
+            if self._pid != os.getpid():  # forked: the parent's sockets are not ours to use
+                self._idle, self._pid = OrderedDict(), os.getpid()
+            idle = self._idle.get(endpoint)
+            if idle:
+                self._idle.move_to_end(endpoint)
+                return idle.pop()
+        return _connect(endpoint, self._max_bytes)
+
+    def _checkin(self, endpoint: str, sock: zmq.Socket) -> None:
+        dropped: list[zmq.Socket] = []
+        with self._lock:
+            if self._closed or self._pid != os.getpid():
+                dropped.append(sock)
+            else:
+                idle = self._idle.setdefault(endpoint, [])
+                self._idle.move_to_end(endpoint)
+                (idle if len(idle) < self._max_idle else dropped).append(sock)
+                while len(self._idle) > self._max_peers:
+                    dropped.extend(self._idle.popitem(last=False)[1])
+        for s in dropped:
+            _close_socket(s)
+
+    def forget(self, address: str) -> None:
+        """Drop the kept connections to ``address`` (a peer that went away)."""
+        with self._lock:
+            idle = self._idle.pop(_endpoint(address), [])
+        for s in idle:
+            _close_socket(s)
+
+    def idle_socket_count(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._idle.values())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, OrderedDict()
+        if self._pid == os.getpid():
+            for socks in idle.values():
+                for s in socks:
+                    _close_socket(s)
