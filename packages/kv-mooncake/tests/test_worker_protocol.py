@@ -187,3 +187,14 @@ def test_done_is_retried_until_a_slow_prefill_answers(prefill, monkeypatch):
     assert calls == ["PullDone"] * 3
     assert _finished(prefill) == {"r"}
     decode.close()
+
+
+def test_hybrid_kv_cache_is_refused_with_a_reason():
+    from types import SimpleNamespace
+
+    from kv_mooncake.worker import check_kv_cache_groups
+
+    check_kv_cache_groups(None)  # no config (older vLLM): nothing to check
+    check_kv_cache_groups(SimpleNamespace(kv_cache_groups=[object()]))
+    with pytest.raises(ValueError, match="one KV-cache group; this model has 2"):
+        check_kv_cache_groups(SimpleNamespace(kv_cache_groups=[object(), object()]))

@@ -11,7 +11,7 @@ from kv_mooncake.config import load_config
 from kv_mooncake.metadata import MooncakeStep
 from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
 from kv_mooncake.scheduler import MooncakeScheduler, side_channel_base_port
-from kv_mooncake.worker import MooncakeWorker
+from kv_mooncake.worker import MooncakeWorker, check_kv_cache_groups
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ def _parallel(vllm_config: Any) -> dict[str, int]:
 class MooncakeConnectorV1(_base.KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_kv_cache_groups(kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.config = load_config(dict(ktc.kv_connector_extra_config or {}))
         self.engine_id = str(ktc.engine_id)

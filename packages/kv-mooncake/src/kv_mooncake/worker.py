@@ -85,6 +85,21 @@ def describe_kv_caches(kv_caches: dict[str, Any]) -> tuple[LocalCache, dict[str,
     return cache, {"block_size": block_size, "head_size": two_head // 2, "num_layers": len(names)}
 
 
+def check_kv_cache_groups(kv_cache_config: Any) -> None:
+    """Refuse hybrid KV caches (several groups, e.g. sliding-window plus full-attention layers).
+
+    Each group has its own block table; the pull addresses every layer through one list of block
+    ids, so a second group would be read from the wrong blocks: wrong tokens, silently.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ValueError(
+            f"MooncakeConnectorV1 supports one KV-cache group; this model has {len(groups)} "
+            "(hybrid attention, e.g. sliding-window layers). Use a store connector (AscendStoreConnector) "
+            "for it, or run it without disaggregated prefill."
+        )
+
+
 class MooncakeWorker:
     def __init__(
         self,
