@@ -17,7 +17,33 @@ def test_keys_depend_on_namespace_rank_and_hash():
 def test_mla_stores_one_copy():
     assert keys.all_rank_tags(tp_size=4, use_mla=True) == ["mla"]
     assert len(keys.all_rank_tags(tp_size=4, total_kv_heads=8)) == 4
-    assert len(keys.all_rank_tags(tp_size=2, dcp_size=2, total_kv_heads=8)) == 4
+    # DCP reuses the TP ranks: TP 4 over 2 KV heads, DCP 2 -> 2 head groups x 2 token shards.
+    assert len(keys.all_rank_tags(tp_size=4, dcp_size=2, total_kv_heads=2)) == 4
+
+
+def test_mla_with_context_parallel_keeps_one_copy_per_token_shard():
+    tags = keys.all_rank_tags(tp_size=4, dcp_size=2, use_mla=True)
+    assert len(tags) == 2 and all(t.startswith("mla.") for t in tags)
+    assert len(keys.all_rank_tags(tp_size=2, pcp_size=2, dcp_size=2, use_mla=True)) == 4
+
+
+@given(st.integers(1, 16), st.sampled_from([1, 2, 4, 8, 16, 32]), st.sampled_from([1, 2, 4]),
+       st.integers(1, 2), st.booleans())
+def test_exactly_one_writer_per_tag(tp_size, heads, dcp, pcp, use_mla):
+    if tp_size % dcp:
+        return
+    writers: dict[str, list[int]] = {}
+    for p in range(pcp):
+        for t in range(tp_size):
+            tag = keys.rank_tag(tp_rank=t, tp_size=tp_size, pcp_rank=p, pcp_size=pcp, dcp_rank=t % dcp,
+                                dcp_size=dcp, use_mla=use_mla, total_kv_heads=heads)
+            if keys.writes_tag(tp_rank=t, tp_size=tp_size, pcp_rank=p, pcp_size=pcp, dcp_size=dcp,
+                               use_mla=use_mla, total_kv_heads=heads):
+                writers.setdefault(tag, []).append(t)
+    all_tags = keys.all_rank_tags(tp_size=tp_size, pcp_size=pcp, dcp_size=dcp, use_mla=use_mla,
+                                  total_kv_heads=heads)
+    assert sorted(writers) == sorted(all_tags)  # every tag has a writer ...
+    assert all(len(w) == 1 for w in writers.values())  # ... and only one
 
 
 @given(st.integers(1, 64), st.integers(1, 16))

@@ -217,3 +217,33 @@ class BrokenBackend(SlowBackend):
 def test_broken_backend_lookup_is_a_miss():
     sched = make_scheduler(BrokenBackend())
     assert sched.get_num_new_matched_tokens(FakeRequest("a", list(range(18))), 0) == (0, False)
+
+
+def test_replica_rank_does_not_write_but_still_loads_and_finishes():
+    """Two ranks holding the same bytes (MLA / replicated heads): only the writer saves; the
+    replica reports the request finished at once and loads the writer's copy."""
+    backend = EmbeddedBackend(16 << 20)
+    sched = make_scheduler(backend)
+    writer, caches = make_worker(backend)
+    replica, replica_caches = make_worker(backend)
+    replica.writes_blocks = False
+    req = FakeRequest("a", list(range(18)))
+    sched.update_state_after_alloc(req, FakeBlocks([1, 2, 3, 4, 5]), 0)
+    plan = sched.build_plan(new_req_output(req, [1, 2, 3, 4, 5], 0, 18))
+    replica.submit_saves(plan)
+    assert drain(replica, {"a"}) == {"a"}
+    assert backend.batch_exists([f"kv/ns/r0/{h.hex()}" for h in plan.saves[0].block_hashes]) == [False] * 4
+    writer.submit_saves(plan)
+    assert drain(writer, {"a"}) == {"a"}
+    req2 = FakeRequest("b", list(range(18)))
+    assert sched.get_num_new_matched_tokens(req2, 0) == (16, False)
+    sched.update_state_after_alloc(req2, FakeBlocks([9, 10, 11, 12, 13]), 16)
+    plan2 = sched.build_plan(new_req_output(req2, [9, 10, 11, 12, 13], 16, 2))
+    for cache in replica_caches.values():
+        cache[9:13].zero_()
+    replica.load_sync(plan2)
+    for name, cache in replica_caches.items():
+        assert torch.equal(cache[9:13], caches[name][1:5])
+    assert replica.ledger.take_block_ids_with_load_errors() == set()
+    writer.close(5)
+    replica.close(5)

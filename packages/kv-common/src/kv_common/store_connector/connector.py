@@ -121,13 +121,18 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):
                 pcp_size=fp["pcp_size"], dcp_rank=ranks["dcp_rank"], dcp_size=fp["dcp_size"],
                 use_mla=fp["use_mla"], total_kv_heads=fp["total_kv_heads"],
             )
+            writes = keys_mod.writes_tag(
+                tp_rank=ranks["tp_rank"], tp_size=fp["tp_size"], pcp_rank=ranks["pcp_rank"],
+                pcp_size=fp["pcp_size"], dcp_size=fp["dcp_size"], use_mla=fp["use_mla"],
+                total_kv_heads=fp["total_kv_heads"],
+            )
             groups: dict[str, int] = {}
             for g, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
                 for name in group.layer_names:
                     groups[name] = g
             self._worker = StoreWorker(
                 backend=self.backend, namespace=self.namespace, rank_tag=tag, config=cfg,
-                layer_groups=groups, stats=self.stats, ledger=self.ledger,
+                layer_groups=groups, stats=self.stats, ledger=self.ledger, writes_blocks=writes,
             )
 
     # ---- worker side -------------------------------------------------------------------------

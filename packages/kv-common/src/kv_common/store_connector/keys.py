@@ -8,9 +8,13 @@ A key names one block of one rank's KV cache::
   key identifies the whole prefix up to and including its block;
 - the namespace is a digest of everything two instances must agree on before they may exchange a
   block (model, dtype, KV-cache dtype, block size, layout, parallel sizes, hash algorithm);
-- the rank tag says which slice of the heads the value holds. MLA caches are identical on every
-  rank, so they get one copy (tag ``mla``). When TP is larger than the number of KV heads, ranks
-  holding the same replicated heads share one copy (their head group).
+- the rank tag says which slice of the heads and tokens the value holds. MLA caches are identical
+  on every rank, so they get one copy (tag ``mla``). When TP is larger than the number of KV heads,
+  ranks holding the same replicated heads share one copy (their head group). Context parallelism
+  shards tokens: each (pcp, dcp) shard has its own tag. DCP reuses the TP ranks as in vLLM (TP rank
+  ``t`` is DCP rank ``t % dcp``).
+- of the ranks that share a tag, only the lowest TP rank writes it (:func:`writes_tag`): the others
+  hold the same bytes.
 """
 
 from __future__ import annotations
@@ -50,10 +54,22 @@ def rank_tag(
     use_mla: bool = False,
     total_kv_heads: int = 0,
 ) -> str:
+    shard = f"pcp{pcp_rank}of{pcp_size}.dcp{dcp_rank}of{dcp_size}"
     if use_mla:
-        return "mla"
+        # One latent copy per token shard (plain "mla" without context parallelism).
+        return "mla" if pcp_size == dcp_size == 1 else f"mla.{shard}"
     group, groups = head_group(tp_rank, tp_size, total_kv_heads)
-    return f"hg{group}of{groups}.pcp{pcp_rank}of{pcp_size}.dcp{dcp_rank}of{dcp_size}"
+    return f"hg{group}of{groups}.{shard}"
+
+
+def _tags_by_tp_rank(
+    *, tp_size: int, pcp_rank: int, pcp_size: int, dcp_size: int, use_mla: bool, total_kv_heads: int
+) -> list[str]:
+    return [
+        rank_tag(tp_rank=tp, tp_size=tp_size, pcp_rank=pcp_rank, pcp_size=pcp_size, dcp_rank=tp % dcp_size,
+                 dcp_size=dcp_size, use_mla=use_mla, total_kv_heads=total_kv_heads)
+        for tp in range(tp_size)
+    ]
 
 
 def all_rank_tags(
@@ -61,15 +77,27 @@ def all_rank_tags(
 ) -> list[str]:
     """Every distinct tag of one instance: a block is usable only when all of them are stored."""
     tags: dict[str, None] = {}
-    for tp in range(tp_size):
-        for pcp in range(pcp_size):
-            for dcp in range(dcp_size):
-                tag = rank_tag(
-                    tp_rank=tp, tp_size=tp_size, pcp_rank=pcp, pcp_size=pcp_size, dcp_rank=dcp,
-                    dcp_size=dcp_size, use_mla=use_mla, total_kv_heads=total_kv_heads,
-                )
-                tags[tag] = None
+    for pcp in range(pcp_size):
+        for tag in _tags_by_tp_rank(tp_size=tp_size, pcp_rank=pcp, pcp_size=pcp_size, dcp_size=dcp_size,
+                                    use_mla=use_mla, total_kv_heads=total_kv_heads):
+            tags[tag] = None
     return list(tags)
+
+
+def writes_tag(
+    *,
+    tp_rank: int,
+    tp_size: int = 1,
+    pcp_rank: int = 0,
+    pcp_size: int = 1,
+    dcp_size: int = 1,
+    use_mla: bool = False,
+    total_kv_heads: int = 0,
+) -> bool:
+    """Whether this rank saves its tag: only the lowest TP rank of those holding the same bytes."""
+    tags = _tags_by_tp_rank(tp_size=tp_size, pcp_rank=pcp_rank, pcp_size=pcp_size, dcp_size=dcp_size,
+                            use_mla=use_mla, total_kv_heads=total_kv_heads)
+    return tags.index(tags[tp_rank]) == tp_rank
 
 
 def hash_hex(block_hash: Any) -> str:

@@ -104,10 +104,13 @@ class StoreWorker:
         layer_groups: dict[str, int] | None = None,
         stats: StoreStats | None = None,
         ledger: FailureLedger | None = None,
+        writes_blocks: bool = True,
     ) -> None:
         self.backend = backend
         self.namespace = namespace
         self.rank_tag = rank_tag
+        # False on a rank whose tag another rank already writes (MLA, replicated GQA heads).
+        self.writes_blocks = writes_blocks
         self.config = config
         self.layer_groups = dict(layer_groups or {})
         self.stats = stats if stats is not None else StoreStats()
@@ -225,6 +228,13 @@ class StoreWorker:
 
     # ---- saves ----------------------------------------------------------------------------
     def submit_saves(self, plan: StorePlan) -> None:
+        if not self.writes_blocks:
+            # Nothing to write, but vLLM frees a held request only when every rank reports it
+            # finished: remember it with no pending saves.
+            with self._lock:
+                for transfer in plan.saves:
+                    self._pending_saves.setdefault(transfer.request_id, [])
+            return
         for transfer in plan.saves:
             future = self._saver.submit(self._save, transfer)
             with self._lock:
