@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 from conftest import BLOCK, requires_vllm
 
 pytestmark = [requires_vllm]
