@@ -198,3 +198,39 @@ def test_hybrid_kv_cache_is_refused_with_a_reason():
     check_kv_cache_groups(SimpleNamespace(kv_cache_groups=[object()]))
     with pytest.raises(ValueError, match="one KV-cache group; this model has 2"):
         check_kv_cache_groups(SimpleNamespace(kv_cache_groups=[object(), object()]))
+
+
+def test_decode_request_aborted_before_scheduling_still_frees_the_prefill(prefill):
+    """The decode scheduler saw the request (async lookup) but it finished before its blocks were
+    allocated: the prefill must be told to free now, not after its hold expires."""
+    from types import SimpleNamespace
+
+    from kv_mooncake.scheduler import MooncakeScheduler
+
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0], ttl_s=60)]))
+    cfg = MooncakeConfig()
+    sched = MooncakeScheduler(cfg, engine_id="D", block_size=16, is_producer=False, is_consumer=True,
+                              side_channel_port=_free_port())
+    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True,
+                            side_channel_port=_free_port(), engine_factory=FakeTransferEngine)
+    decode.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1",
+              "remote_port": prefill.side_channel_port, "remote_block_ids": [0], "remote_request_id": "r"}
+    req = SimpleNamespace(request_id="d-r", kv_transfer_params=params, prompt_token_ids=list(range(20)),
+                          status=SimpleNamespace(name="FINISHED_ABORTED"))
+    try:
+        assert sched.get_num_new_matched_tokens(req, 0) == (20, True)
+        assert sched.request_finished(req, []) == (False, None)  # aborted: nothing allocated
+        step = sched.build_step()
+        assert [s.request_id for s in step.frees] == ["r"] and not step.pulls
+        decode.start_step(step)
+        deadline = time.monotonic() + 5
+        freed: set[str] = set()
+        while "r" not in freed and time.monotonic() < deadline:
+            freed |= _finished(prefill)
+            time.sleep(0.02)
+        assert freed == {"r"}
+        assert prefill.leak_report()["held_requests"] == 0
+        assert sched.build_step().frees == []  # told once
+    finally:
+        decode.close()
