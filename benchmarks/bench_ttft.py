@@ -93,16 +93,20 @@ class Measured:
         self.ttft: dict[int, list[float]] = {}
         self.hit: dict[int, list[int]] = {}
 
-    def add(self, n: int, seconds: float, cached: int) -> None:
+        self.decode_part: dict[int, list[float]] = {}  # P2P rows: the decode engine's share of the TTFT
+
+    def add(self, n: int, seconds: float, cached: int, decode_s: float | None = None) -> None:
         self.ttft.setdefault(n, []).append(seconds)
         self.hit.setdefault(n, []).append(cached)
+        if decode_s is not None:
+            self.decode_part.setdefault(n, []).append(decode_s)
 
 
 def _measure_each(prompts: Prompts, one: Callable[[list[int]], tuple[float, int]], desc: str) -> Measured:
     m = Measured()
     for (n, _r), p in progress(sorted(prompts.items()), total=len(prompts), desc=desc):
-        seconds, cached = one(p)
-        m.add(n, seconds, cached)
+        seconds, cached, *decode_s = one(p)
+        m.add(n, seconds, cached, *decode_s)
     return m
 
 
@@ -189,7 +193,7 @@ def run_p2p_row(row: str, model_dir, prompts: Prompts, max_len: int, workdir) ->
             # it loaded (as tests/test_e2e_mooncake.py does).
             params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
             rd = _gen1(decode, p, {"kv_transfer_params": params})
-            return rp.wall_s + rd.wall_s, rd.num_cached_tokens[0]
+            return rp.wall_s + rd.wall_s, rd.num_cached_tokens[0], rd.wall_s
 
         one(warmup_prompt(4))
         return _measure_each(prompts, one, f"ttft {row}")
@@ -278,6 +282,19 @@ def run(quick: bool) -> Section:
         cells.append(f"{median(hit_frac):.0%}" if row != "recompute" else "–")
         rows.append(cells)
     tables = [table(header, rows)] if rows else []
+    for row, m in results.items():
+        if m.decode_part:
+            parts = ", ".join(
+                f"{n // 1024}k: {median(m.ttft[n]) - median(m.decode_part[n]):.3g} s + {median(m.decode_part[n]):.3g} s"
+                for n in lengths if m.decode_part.get(n)
+            )
+            notes.append(
+                f"{row}: prefill on P + pull and first token on D (medians): {parts}. While P holds a "
+                "finished request's blocks vLLM keeps stepping it (pending block frees) and its "
+                "shared-memory queues busy-loop for 1 s after each read: measured 1.4 of the 2 cores "
+                "with nothing else to do, CPU that D's pull and first token lose here. On separate "
+                "machines (the deployment P2P is for) that cost does not reach the decode."
+            )
     plots = [plot(results, lengths)] if results else []
     notes.append(
         f"model: random Llama {MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, "
