@@ -514,8 +514,9 @@ class MooncakeWorker:
                 time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             if time.monotonic() - last_renew[0] > self.config.lease_s / 3:
                 last_renew[0] = time.monotonic()
-                reply = self._request(address, renew, min(self.config.handshake_timeout_s,
-                                                          max(0.05, deadline - time.monotonic())))
+                # A starved prefill answers late: retry until the pull's deadline, never fail early.
+                reply = self._until(deadline, lambda left: self._request(
+                    address, renew, min(left, self.config.handshake_timeout_s)))
                 if not isinstance(reply, P.Ack):
                     raise PullFailed(f"{address} refused the lease renewal: {getattr(reply, 'reason', reply)}")
 

