@@ -22,6 +22,7 @@ That is the connector working as designed; the expiry test now shortens one requ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -112,9 +113,33 @@ def _wait_leaks(port: int, key: str = "held_blocks", timeout_s: float = 30.0) ->
         time.sleep(0.2)
 
 
-def _assert_clean(port: int) -> None:
-    report = _wait_leaks(port)
-    assert report == {"held_blocks": 0, "held_requests": 0, "pending_pulls": 0, "active_reads": 0}, (port, report)
+def _assert_clean(*ports: int, timeout_s: float = 30.0) -> None:
+    """Every rank in ``ports`` ends up holding nothing, all within one ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    for port in ports:
+        report = _wait_leaks(port, timeout_s=max(0.0, deadline - time.monotonic()))
+        assert report == {"held_blocks": 0, "held_requests": 0, "pending_pulls": 0, "active_reads": 0}, (
+            port, report)
+
+
+@contextlib.contextmanager
+def _running(engines: list[EngineProcess]):
+    """Start ``engines`` in parallel (engine start dominates), wait for all, stop them in parallel
+    (each graceful shutdown takes seconds)."""
+    t0 = time.perf_counter()
+    for e in engines:
+        e.start(wait=False)
+    try:
+        for e in engines:
+            e.wait_ready()
+        print(f"\n[engines] {len(engines)} engines ready in {time.perf_counter() - t0:.1f}s")
+        yield
+    finally:
+        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 40}) for e in engines]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(60)
 
 
 @pytest.fixture(scope="module")
@@ -129,20 +154,8 @@ def engines():
     }
     engs = {name: EngineProcess(model, kv_transfer_config=cfg, cpu_bind=bind, name=name, **common)
             for name, (cfg, bind) in specs.items()}
-    t0 = time.perf_counter()
-    for e in engs.values():
-        e.start(wait=False)
-    try:
-        for e in engs.values():
-            e.wait_ready()
-        print(f"\n[engines] {len(engs)} engines ready in {time.perf_counter() - t0:.1f}s")
+    with _running(list(engs.values())):
         yield engs
-    finally:  # in parallel: each graceful shutdown takes seconds
-        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 40}) for e in engs.values()]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(60)
 
 
 def _prefill(engine: EngineProcess, prompts: list[list[int]], **params) -> list[dict]:

@@ -16,8 +16,6 @@ a recompute, and the cached-token counts show the whole prompt was pulled.
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import pytest
 
@@ -26,7 +24,7 @@ pytest.importorskip("mooncake.engine")
 
 from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
-from test_e2e_mooncake import _forward, _leaks, _prefill, _prompts, _wait_held  # noqa: E402
+from test_e2e_mooncake import _assert_clean, _forward, _prefill, _prompts, _running, _wait_held  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -45,18 +43,6 @@ def _config(port: int) -> dict:
     }
 
 
-def _assert_clean(ports: list[int], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    for port in ports:
-        while True:
-            report = _leaks(port)
-            if all(v == 0 for v in report.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert report == {"held_blocks": 0, "held_requests": 0, "pending_pulls": 0, "active_reads": 0}, (
-            port, report)
-
-
 @pytest.fixture(scope="module")
 def engines():
     model = str(cached_tiny_model())
@@ -69,20 +55,8 @@ def engines():
                            **common),
         "s": EngineProcess(model, kv_transfer_config=_config(S_PORT), name="tp1", **common),
     }
-    t0 = time.perf_counter()
-    for e in engs.values():
-        e.start(wait=False)
-    try:
-        for e in engs.values():
-            e.wait_ready()
-        print(f"\n[engines] TP2 + TP1 ready in {time.perf_counter() - t0:.1f}s")
+    with _running(list(engs.values())):
         yield engs
-    finally:
-        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 40}) for e in engs.values()]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(60)
 
 
 def test_prefill_tp2_to_decode_tp1(engines):
@@ -95,7 +69,7 @@ def test_prefill_tp2_to_decode_tp1(engines):
     out = s.generate(prompts, _forward(params))
     assert_same_tokens(out, reference)
     assert out.num_cached_tokens == [len(p) for p in prompts], (out.num_cached_tokens, out.stderr_tail)
-    _assert_clean([T_PORT, T_PORT + 1, S_PORT])
+    _assert_clean(T_PORT, T_PORT + 1, S_PORT)
 
 
 def test_prefill_tp1_to_decode_tp2(engines):
@@ -108,5 +82,5 @@ def test_prefill_tp1_to_decode_tp2(engines):
     assert_same_tokens(out, reference)
     assert out.num_cached_tokens == [len(p) for p in prompts], (out.num_cached_tokens, out.stderr_tail)
     # The one prefill rank freed only after both decode ranks said DONE (it was told to expect 2).
-    _assert_clean([S_PORT, T_PORT, T_PORT + 1])
+    _assert_clean(S_PORT, T_PORT, T_PORT + 1)
 

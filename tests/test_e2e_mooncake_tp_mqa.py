@@ -7,7 +7,6 @@ Its own module, so the TP engines of ``test_e2e_mooncake_tp.py`` are stopped bef
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
@@ -16,8 +15,8 @@ pytest.importorskip("mooncake.engine")
 
 from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
-from test_e2e_mooncake import _forward, _prefill, _prompts, _wait_held  # noqa: E402
-from test_e2e_mooncake_tp import MAX_TOKENS, ONE_THREAD, _assert_clean, _config  # noqa: E402
+from test_e2e_mooncake import _assert_clean, _forward, _prefill, _prompts, _running, _wait_held  # noqa: E402
+from test_e2e_mooncake_tp import MAX_TOKENS, ONE_THREAD, _config  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -37,12 +36,10 @@ def test_replicated_head_reads_one_replica_and_the_idle_rank_is_told_to_free():
                   env=ONE_THREAD)
     p = EngineProcess(model, kv_transfer_config=cfg, name="mqa-tp2", start_timeout_s=600,
                       extra_llm_kwargs={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-                      **common).start(wait=False)
+                      **common)
     d = EngineProcess(model, kv_transfer_config={**_config(base + 100), "kv_role": "kv_consumer"},
-                      name="mqa-tp1", **common).start(wait=False)
-    try:
-        p.wait_ready()
-        d.wait_ready()
+                      name="mqa-tp1", **common)
+    with _running([p, d]):
         prompts = _prompts(6, seed=13)
         reference = d.generate(prompts)
         params = _prefill(p, prompts)
@@ -52,10 +49,4 @@ def test_replicated_head_reads_one_replica_and_the_idle_rank_is_told_to_free():
         assert_same_tokens(out, reference)
         assert out.num_cached_tokens == [len(q) for q in prompts], (out.num_cached_tokens, out.stderr_tail)
         # Freed well before the 120 s hold: the rank read from by DONE, the other by FreeNow.
-        _assert_clean([base, base + 1], timeout_s=20)
-    finally:
-        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 40}) for e in (p, d)]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(60)
+        _assert_clean(base, base + 1, timeout_s=20)
