@@ -277,20 +277,8 @@ def request(
     """Send one request to ``address`` ('host:port') and return its reply, within ``timeout_s``.
     Opens and closes its own connection: for repeated traffic to the same peers use
     :class:`SideChannelClient`."""
-    decoder = _decoder(reply_types, with_error=True)
-    payload = _encode_request(message, max_message_bytes)
-    endpoint = _endpoint(address)
-    try:
-        sock = _connect(endpoint, max_message_bytes)
-    except zmq.ZMQError as exc:
-        raise SideChannelError(f"side channel to {address} failed: {exc}") from exc
-    try:
-        raw = _exchange(sock, payload, address, timeout_s)
-    except zmq.ZMQError as exc:
-        raise SideChannelError(f"side channel to {address} failed: {exc}") from exc
-    finally:
-        _close_socket(sock)
-    return _decode_reply(decoder, raw, address)
+    one_shot = SideChannelClient(reply_types, max_message_bytes, max_idle_per_peer=0)
+    return one_shot.request(address, message, timeout_s)
 
 
 class SideChannelClient:
@@ -301,7 +289,8 @@ class SideChannelClient:
     and reused; a socket whose exchange failed or timed out is closed (a REQ socket is then stuck
     mid-exchange), so a late reply can never be read as the answer to a later request. At most
     ``max_idle_per_peer`` idle sockets per peer and ``max_peers`` peers are kept (least recently
-    used peers are dropped first).
+    used peers are dropped first); with ``max_idle_per_peer=0`` every connection is closed after its
+    request (what :func:`request` does).
     """
 
     def __init__(
