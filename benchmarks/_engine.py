@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -144,7 +145,15 @@ def connector_configs(
             },
         }
     elif name == "kv-ucm":
-        cfg = {"kv_connector": "UCMConnector", "kv_role": role, "kv_connector_extra_config": {}}
+        ucm_root = workdir / "ucm"
+        ucm_root.mkdir(parents=True, exist_ok=True)
+        cfg = {
+            "kv_connector": "UCMConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {
+                "ucm_connector_config": {"store_pipeline": "Posix", "storage_backends": str(ucm_root)}
+            },
+        }
     elif name == "kv-mooncake P2P":
         # The side channel listens on kv_port (+ rank). A P2P prefill must keep stepping after its
         # request finished (see bench_ttft.run_p2p_row): run P and D with multiprocess=True.
@@ -200,13 +209,27 @@ ROW_CONNECTOR = {
 OUR_CONNECTORS = {"AscendStoreConnector", "UCMConnector", "MooncakeConnectorV1"}
 
 
+# Rows whose store only exists on another Python: measured by their own nox session instead.
+ELSEWHERE = {
+    "kv-ucm": (
+        "ucm",
+        "not run in this session: UCM's wheels are Python 3.12 only; kv-ucm is measured by "
+        "`nox -s bench-ucm-3.12` (section 'UCM: TTFT with and without a UCM hit')",
+    ),
+}
+
+
 def runnable_rows(rows: list[str], env_var: str, desc: str, notes: list[str]) -> Iterator[str]:
     """The rows to run, with a progress bar. ``env_var`` (comma-separated row names) restricts them;
-    a row whose connector is one of ours and does not import here is skipped with a note."""
+    a row whose connector is one of ours and does not import here is skipped with a note, and so is
+    a row whose store is only installed on another Python (:data:`ELSEWHERE`)."""
     only = [r.strip() for r in os.environ.get(env_var, "").split(",") if r.strip()]
     import_errors: dict[str, str | None] = {}
     for row in progress([r for r in rows if not only or r in only], desc=desc):
         connector = ROW_CONNECTOR.get(row)
+        if row in ELSEWHERE and importlib.util.find_spec(ELSEWHERE[row][0]) is None:
+            notes.append(f"{row}: {ELSEWHERE[row][1]}")
+            continue
         if connector in OUR_CONNECTORS:
             if connector not in import_errors:
                 import_errors[connector] = importable(connector)
