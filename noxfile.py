@@ -125,9 +125,9 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python="3.12", name="bench-ucm-3.12")
 def bench_ucm(session: nox.Session) -> None:
-    """The UCM TTFT rows (UCM wheels are Python 3.12 only), appended to BENCHMARKS.md after `bench`."""
+    """The UCM sections (TTFT, store path; UCM wheels are Python 3.12 only), appended to BENCHMARKS.md after `bench`."""
     _install_engine(session)
     _install_ucm(session)
     session.install("matplotlib", "tqdm", "psutil")
     session.install(_pkg("kv-common", "testing"), _pkg("kv-ucm"))
-    session.run("python", "-m", "benchmarks", "--only", "bench_ucm", "--append", *session.posargs, env=ENV)
+    session.run("python", "-m", "benchmarks", "--only", "bench_ucm", "bench_ucm_store", "--append", *session.posargs, env=ENV)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         out = [
             "# Benchmarks",
             "",
-            f"Machine: {machine()}. Command: `{command}` (the UCM section: `nox -s bench-ucm-3.12`).",
+            f"Machine: {machine()}. Command: `{command}` (the UCM sections: `nox -s bench-ucm-3.12`, run after it).",
             "Every number is a median of several runs; ratios compare against the raw engine or",
             "backend measured in the same run.",
             "",

@@ -25,7 +25,7 @@ from benchmarks.report import ROOT, Section, median, plot_path, ratio, table
 
 KIB, MIB = 1 << 10, 1 << 20
 HEAD_SIZE, BLOCK_TOKENS, NUM_LAYERS, DTYPE_BYTES = 128, 128, 4, 2  # fp16; one head of a block = 64 KiB
-BLOCK_SIZES = [128 * KIB, 256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB]
+BLOCK_SIZES = [16 * KIB, 64 * KIB, 128 * KIB, 256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB]
 RAW_BATCH = 512
 SMALL_PULL_BLOCK = 256 * KIB
 ENGINE_ID = "bench-prefill"

@@ -85,7 +85,34 @@ def _remove(backend, keys: list[str]) -> None:
         backend.batch_remove(keys)
 
 
-def _measure(backend, value_bytes: int, total_bytes: int, reps: int, staging: bool, checksum: bool = True) -> dict:
+class RawSide:
+    """The raw side of a measurement: the backend's own ``batch_put`` / ``batch_get_into`` of the
+    same values (another module passes e.g. UCM's native API instead)."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def put(self, keys: list[str], views: list[memoryview]) -> None:
+        ok = self.backend.batch_put(keys, views)
+        assert all(ok), ok
+
+    def get(self, keys: list[str], views: list[memoryview]) -> None:
+        got = self.backend.batch_get_into(keys, views)
+        assert all(g == v.nbytes for g, v in zip(got, views, strict=True)), got
+
+    def remove(self, keys: list[str]) -> None:
+        _remove(self.backend, keys)
+
+
+def _measure(
+    backend,
+    value_bytes: int,
+    total_bytes: int,
+    reps: int,
+    staging: bool,
+    checksum: bool = True,
+    raw_side: RawSide | None = None,
+) -> dict:
     import torch
     from kv_common.store_connector.config import StoreConnectorConfig
     from kv_common.store_connector.metadata import BlockTransfer, StorePlan
@@ -113,6 +140,7 @@ def _measure(backend, value_bytes: int, total_bytes: int, reps: int, staging: bo
             raw[i * vsize + off : i * vsize + off + chunk.numel()] = chunk
             off += chunk.numel()
     views = [raw_view[i * vsize : (i + 1) * vsize] for i in range(n)]
+    raw_side = raw_side or RawSide(backend)
     out = {k: [] for k in ("put_raw", "put_conn", "get_raw", "get_conn")}
     nbytes = n * vsize
     try:
@@ -124,12 +152,11 @@ def _measure(backend, value_bytes: int, total_bytes: int, reps: int, staging: bo
             for side in order:
                 if side == "raw":
                     t0 = time.perf_counter()
-                    ok = backend.batch_put(raw_keys, views)
+                    raw_side.put(raw_keys, views)
                     t1 = time.perf_counter()
-                    got = backend.batch_get_into(raw_keys, views)
+                    raw_side.get(raw_keys, views)
                     t2 = time.perf_counter()
-                    assert all(ok) and all(g == vsize for g in got), (ok, got)
-                    _remove(backend, raw_keys)
+                    raw_side.remove(raw_keys)
                 else:
                     save = BlockTransfer(request_id=f"s{rep}", block_hashes=hashes, block_ids=[list(range(n))])
                     load = BlockTransfer(request_id=f"l{rep}", block_hashes=hashes, block_ids=[list(range(n, 2 * n))])

