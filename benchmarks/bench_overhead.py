@@ -7,11 +7,15 @@ step time and request throughput; per request: the scheduler-side lookup
 (``get_num_new_matched_tokens``) time, wrapped by the benchmark child. Then the resident memory of
 the engine's process tree (psutil) is sampled every ``SAMPLE_EVERY`` requests.
 
-"no connector" runs first and again last: the spread between the two is this machine's noise floor.
+Every row's engine is up at once and the rounds go round-robin over the rows (the same prompts for
+every row in a round), so each row is compared with the no-connector round next to it in time (the
+median of the per-round ratios). Two no-connector engines ("no connector", "no connector (again)"):
+the ratio between them is this machine's noise floor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 
@@ -24,7 +28,7 @@ from benchmarks._engine import (
     runnable_rows,
     scratch_dir,
 )
-from benchmarks.report import Section, median, plot_path, ratio, table
+from benchmarks.report import Section, median, plot_path, progress, table
 
 MODEL: dict = {}  # the harness default tiny model (2 layers, hidden 128, 4 heads x 32)
 ROUND = 256
@@ -57,9 +61,8 @@ class RowResult:
         self.hits = 0
 
 
-def measure_row(
-    row: str, model_dir, rounds: int, mem_requests: int, sample_every: int, workdir, master
-) -> RowResult:
+def start_row(row: str, model_dir, workdir, master) -> BenchEngine:
+    """The row's engine, started and warmed up."""
     if row.startswith("no connector"):
         cfg, env = None, {}
     else:
@@ -69,8 +72,6 @@ def measure_row(
     # One OpenMP thread: the tiny model gains nothing from two, and spinning OpenMP threads make step
     # times swing by several x when other processes share the cores.
     env = {**env, "OMP_NUM_THREADS": "1"}
-    res = RowResult()
-    src = PromptSource()
     eng = BenchEngine(
         model_dir,
         name="overhead",
@@ -81,25 +82,40 @@ def measure_row(
         kv_cache_bytes=128 << 20,
         extra_llm_kwargs={"max_num_seqs": MAX_NUM_SEQS},
     )
-    with eng:
-        eng.generate(src.take(64), timeout_s=300)  # warm-up
+    try:
+        eng.start()
+        eng.generate(PromptSource(seed=99).take(64), timeout_s=300)  # warm-up
         eng.timings()
-        for _ in range(rounds):
-            r = eng.generate(src.take(ROUND), timeout_s=300)
-            t = eng.timings()
-            steps = t["step_s"]
-            res.step_ms.append(1e3 * sum(steps) / max(1, len(steps)))
-            res.req_per_s.append(ROUND / r.wall_s)
-            res.lookup_us += [1e6 * x for x in t["lookup_s"]]
-            res.hits += sum(1 for c in r.num_cached_tokens if c)  # should stay 0: fresh prompts
-        done = 0
-        res.rss.append((0, eng.rss_bytes() / 2**20))
-        while done < mem_requests:
-            eng.generate(src.take(sample_every), timeout_s=300)
-            done += sample_every
-            res.rss.append((done, eng.rss_bytes() / 2**20))
-        eng.timings()
-    return res
+    except BaseException:
+        eng.close()
+        raise
+    return eng
+
+
+def measure_round(eng: BenchEngine, prompts: list[list[int]], res: RowResult) -> None:
+    r = eng.generate(prompts, timeout_s=300)
+    t = eng.timings()
+    steps = t["step_s"]
+    res.step_ms.append(1e3 * sum(steps) / max(1, len(steps)))
+    res.req_per_s.append(len(prompts) / r.wall_s)
+    res.lookup_us += [1e6 * x for x in t["lookup_s"]]
+    res.hits += sum(1 for c in r.num_cached_tokens if c)  # should stay 0: fresh prompts
+
+
+def measure_memory(eng: BenchEngine, mem_requests: int, sample_every: int, res: RowResult) -> None:
+    src = PromptSource(seed=5)
+    done = 0
+    res.rss.append((0, eng.rss_bytes() / 2**20))
+    while done < mem_requests:
+        eng.generate(src.take(sample_every), timeout_s=300)
+        done += sample_every
+        res.rss.append((done, eng.rss_bytes() / 2**20))
+    eng.timings()
+
+
+def paired(res: RowResult, base: RowResult, attr: str) -> float:
+    """Median over rounds of this row's value / the no-connector value of the same round."""
+    return median([a / b for a, b in zip(getattr(res, attr), getattr(base, attr), strict=True) if b])
 
 
 def _plot(results: dict[str, RowResult]) -> str:
@@ -110,11 +126,10 @@ def _plot(results: dict[str, RowResult]) -> str:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
     names = list(results)
-    base = median(results[names[0]].step_ms) if names and names[0].startswith("no connector") else None
-    vals = [median(results[n].step_ms) for n in names]
+    base = results[names[0]] if names and names[0].startswith("no connector") else None
     a1.barh(
         range(len(names)),
-        [ratio(v, base) if base else v for v in vals],
+        [paired(results[n], base, "step_ms") if base else median(results[n].step_ms) for n in names],
         color=["grey" if n.startswith("no connector") else "C0" for n in names],
     )
     a1.set_yticks(range(len(names)), names, fontsize=7)
@@ -142,34 +157,43 @@ def _plot(results: dict[str, RowResult]) -> str:
 def run(quick: bool) -> Section:
     from kv_common.testing import cached_tiny_model
 
-    rounds = 3 if quick else 5
+    rounds = 3 if quick else 9
     mem_requests = 200 if quick else 1000
     sample_every = 25 if quick else 50
     warm = mem_requests // 4  # growth is measured from here to the end
     model_dir = cached_tiny_model(**MODEL)
     notes: list[str] = []
     results: dict[str, RowResult] = {}
-    for row in runnable_rows(ROWS, "KV_BENCH_OVERHEAD_ROWS", "overhead rows", notes):
-        t0 = time.monotonic()
-        try:
-            with scratch_dir("kv-bench-overhead-") as workdir:
+    engines: dict[str, BenchEngine] = {}
+    with contextlib.ExitStack() as stack:
+        # Every row's engine is started first and stays up (idle between its rounds); the rounds
+        # then go round-robin over the rows, so a drift of this shared machine's speed over minutes
+        # hits every row alike, and each row is compared with the no-connector round next to it.
+        for row in runnable_rows(ROWS, "KV_BENCH_OVERHEAD_ROWS", "overhead: start engines", notes):
+            t0 = time.monotonic()
+            try:
+                workdir = stack.enter_context(scratch_dir("kv-bench-overhead-"))
+                master = None
                 if row in ("kv-store mooncake", "vLLM MooncakeStoreConnector"):
-                    with MooncakeMaster() as master:
-                        results[row] = measure_row(
-                            row, model_dir, rounds, mem_requests, sample_every, workdir, master
-                        )
-                else:
-                    results[row] = measure_row(
-                        row, model_dir, rounds, mem_requests, sample_every, workdir, None
-                    )
-        except Exception as exc:  # noqa: BLE001
-            notes.append(f"{row}: failed after {time.monotonic() - t0:.0f} s: {first_error_line(exc)}")
+                    master = stack.enter_context(MooncakeMaster())
+                engines[row] = start_row(row, model_dir, workdir, master)
+                stack.callback(engines[row].close)
+                results[row] = RowResult()
+            except Exception as exc:  # noqa: BLE001
+                notes.append(f"{row}: failed after {time.monotonic() - t0:.0f} s: {first_error_line(exc)}")
+        src = PromptSource()
+        names = list(engines)
+        for rnd in progress(range(rounds), desc="overhead rounds"):
+            prompts = src.take(ROUND)  # the same prompts for every row in a round
+            for row in names[rnd % len(names) :] + names[: rnd % len(names)]:
+                measure_round(engines[row], prompts, results[row])
+        for row in progress(names, desc="memory"):
+            measure_memory(engines[row], mem_requests, sample_every, results[row])
 
     base = results.get("no connector")
     rows = []
     for name, r in results.items():
         step = median(r.step_ms)
-        rps = median(r.req_per_s)
         lk = sorted(r.lookup_us)
         if r.hits:
             notes.append(f"{name}: {r.hits} measured requests got cached tokens (expected none)")
@@ -181,8 +205,8 @@ def run(quick: bool) -> Section:
         rows.append(
             [
                 name,
-                f"{ratio(step, median(base.step_ms)):.3f}" if base else "–",
-                f"{ratio(rps, median(base.req_per_s)):.3f}" if base else "–",
+                f"{paired(r, base, 'step_ms'):.3f}" if base else "–",
+                f"{paired(r, base, 'req_per_s'):.3f}" if base else "–",
                 f"{step:.3g}",
                 f"{median(lk):.3g}" if lk else "–",
                 f"{lk[int(0.99 * (len(lk) - 1))]:.3g}" if lk else "–",
@@ -205,15 +229,16 @@ def run(quick: bool) -> Section:
     )
     again = results.get("no connector (again)")
     if base and again:
-        noise = abs(ratio(median(again.step_ms), median(base.step_ms)) - 1)
+        noise = abs(paired(again, base, "step_ms") - 1)
         notes.append(
-            f"noise floor: the two no-connector runs differ by {noise:.1%} in step time "
-            "(other processes share the 2 cores); a difference below that is not measurable here"
+            f"noise floor: the two no-connector engines differ by {noise:.1%} in step time (median of the "
+            "per-round ratios); a difference below that is not measurable here"
         )
     notes.append(
         f"workload: {rounds} rounds of {ROUND} fresh prompts of {PROMPT_LEN[0]}-{PROMPT_LEN[1]} random tokens, "
         f"max_tokens={MAX_TOKENS}, max_num_seqs={MAX_NUM_SEQS}, OMP_NUM_THREADS=1; step time = mean LLMEngine.step() per round, "
-        "median over rounds; lookup = connector.get_num_new_matched_tokens per call (scheduler side)"
+        "'/ none' = median over rounds of the ratio to the no-connector round beside it; 'mean step ms' = median "
+        "over rounds; lookup = connector.get_num_new_matched_tokens per call (scheduler side)"
     )
     notes.append(
         f"memory: {mem_requests} more requests, RSS (psutil, engine process tree) every {sample_every}; "
