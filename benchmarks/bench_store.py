@@ -30,6 +30,27 @@ LAYERS, KV_HEADS, HEAD_SIZE = 4, 4, 64  # fp32: 8 KiB per token over all layers
 TOKEN_BYTES = LAYERS * KV_HEADS * 2 * HEAD_SIZE * 4
 
 
+def keep_freed_memory() -> str:
+    """Tell glibc's malloc to keep freed memory instead of returning it to the OS (as a long-running
+    store process settles into). Otherwise whichever side allocates its values on the main thread
+    (the raw side) page-faults on every repetition while the worker's save thread reuses its own
+    arena: on this VM that made raw puts 1.5 GB/s against 14 with the same code."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 32 << 20)
+    except (OSError, AttributeError):
+        ok = 0
+    return (
+        "glibc malloc: trim threshold 1 GiB, mmap threshold 32 MiB (freed values stay mapped between repetitions)"
+        if ok
+        else "glibc mallopt not available: raw puts may include page faults"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -200,6 +221,7 @@ def run(quick: bool) -> Section:
     )
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    section.notes.append(keep_freed_memory())
     backends = ["embedded"]
     master = None
     try:

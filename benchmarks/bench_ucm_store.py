@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 
-from benchmarks.bench_store import RawSide, _measure
+from benchmarks.bench_store import RawSide, _measure, keep_freed_memory
 from benchmarks.report import ROOT, Section, plot_path, progress, table
 
 TITLE = "Store path: UCMConnector worker vs UCM's native store API"
@@ -79,6 +79,7 @@ def run(quick: bool) -> Section:
     reps = 3 if quick else 5
     total = (32 if quick else 64) << 20
     rows, results = [], {}
+    allocator = keep_freed_memory()
     for size in progress(sizes, desc="ucm store"):
         with tempfile.TemporaryDirectory(prefix="kv-bench-ucm-store-") as root:
             measured = {}
@@ -138,6 +139,7 @@ def run(quick: bool) -> Section:
             )
         ],
         notes=[
+            allocator,
             "the connector's get includes a lookup before the load (a missing block must be a miss, "
             "not a read of stale bytes) and its put a lookup before the dump (UCM overwrites); "
             "the native side does neither",
