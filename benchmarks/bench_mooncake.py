@@ -31,16 +31,23 @@ SMALL_PULL_BLOCK = 256 * KIB
 ENGINE_ID = "bench-prefill"
 
 
-def _heads(block_bytes: int) -> int:
-    return block_bytes // (BLOCK_TOKENS * 2 * HEAD_SIZE * DTYPE_BYTES)
+def _shape(block_bytes: int) -> tuple[int, int]:
+    """(KV heads, tokens per block) of one layer's block of ``block_bytes``: 128-token blocks of
+    whole heads from 64 KiB up, one head of fewer tokens below."""
+    token_bytes = 2 * HEAD_SIZE * DTYPE_BYTES
+    head_block = BLOCK_TOKENS * token_bytes
+    if block_bytes >= head_block:
+        return block_bytes // head_block, BLOCK_TOKENS
+    return 1, block_bytes // token_bytes
 
 
-def _kv_caches(heads: int, num_blocks: int, fill: int):
+def _kv_caches(block_bytes: int, num_blocks: int, fill: int):
     import torch
 
+    heads, tokens = _shape(block_bytes)
     caches = {}
     for layer in range(NUM_LAYERS):
-        t = torch.empty((num_blocks, heads, BLOCK_TOKENS, 2 * HEAD_SIZE), dtype=torch.float16)
+        t = torch.empty((num_blocks, heads, tokens, 2 * HEAD_SIZE), dtype=torch.float16)
         t.view(torch.uint8).view(-1)[:] = (fill + layer) % 251  # touch every page
         caches[f"model.layers.{layer}.self_attn.attn"] = t
     return caches
@@ -60,11 +67,11 @@ def _worker(producer: bool, port: int, heads: int):
 
 
 # ---------------------------------------------------------------- prefill side (child process)
-def _serve(port: int, heads: int, num_blocks: int) -> int:
+def _serve(port: int, block_bytes: int, num_blocks: int) -> int:
     from kv_mooncake.metadata import HoldRequest, MooncakeStep
 
-    caches = _kv_caches(heads, num_blocks, fill=7)
-    w = _worker(True, port, heads)
+    caches = _kv_caches(block_bytes, num_blocks, fill=7)
+    w = _worker(True, port, _shape(block_bytes)[0])
     w.register_kv_caches(caches)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:  # {"hold": rid, "block_ids": [...]}
@@ -78,13 +85,13 @@ def _serve(port: int, heads: int, num_blocks: int) -> int:
 
 
 class _Prefill:
-    def __init__(self, heads: int, num_blocks: int) -> None:
+    def __init__(self, block_bytes: int, num_blocks: int) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_mooncake", "--serve", str(self.port), str(heads), str(num_blocks)],
+            [sys.executable, "-m", "benchmarks.bench_mooncake", "--serve", str(self.port), str(block_bytes), str(num_blocks)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
         )
         if not json.loads(self.proc.stdout.readline() or '{"ready": false}').get("ready"):  # type: ignore[union-attr]
@@ -113,14 +120,14 @@ def measure(block_bytes: int, total_bytes: int, reps: int) -> dict[str, list[flo
     from kv_mooncake.metadata import PullRequest, RemoteSource
     from kv_mooncake.pull_plan import PrefillRank, plan_pulls, request_seed
 
-    heads = _heads(block_bytes)
+    heads = _shape(block_bytes)[0]
     per_pull = total_bytes // (block_bytes * NUM_LAYERS)  # blocks of one request
     num_blocks = 2 * per_pull + 1
     rng = np.random.default_rng(block_bytes)
-    prefill = _Prefill(heads, num_blocks)
+    prefill = _Prefill(block_bytes, num_blocks)
     decode = _worker(False, 0, heads)
     try:
-        caches = _kv_caches(heads, num_blocks, fill=0)
+        caches = _kv_caches(block_bytes, num_blocks, fill=0)
         decode.register_kv_caches(caches)
         out: dict[str, list[float]] = {"connector": [], "raw": []}
         for rep in range(reps + 1):  # rep 0: warm-up (handshake, connections, first touch)

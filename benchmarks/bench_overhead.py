@@ -223,7 +223,7 @@ def run(quick: bool) -> Section:
             "lookup µs (median)",
             "lookup µs (p99)",
             "RSS MiB at start",
-            f"RSS growth MiB after {warm} req",
+            f"RSS growth MiB, req {warm} to {mem_requests}",
         ],
         rows,
     )
