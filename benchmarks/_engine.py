@@ -85,7 +85,8 @@ def importable(connector: str) -> str | None:
 
 def first_error_line(exc: BaseException, limit: int = 300) -> str:
     """The most telling line of an (engine) error: the last exception line of the child traceback."""
-    text = str(exc)
+    # The engine's own traceback comes before its stderr tail (whose warnings also say "Error").
+    text = str(exc).split("--- engine stderr (tail) ---")[0]
     candidates = [
         ln.strip()
         for ln in text.splitlines()

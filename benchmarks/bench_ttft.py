@@ -58,6 +58,15 @@ STORE_ROWS = {
 P2P_ROWS = {"kv-mooncake P2P", "vLLM MooncakeConnector"}
 NEEDS_MASTER = {"kv-store mooncake", "vLLM MooncakeStoreConnector"}
 
+# Why a peer fails where it does, when we know (appended to its note).
+PEER_LIMITS = {
+    "vLLM ExampleConnector": (
+        ". The saved file holds 4,096 tokens (one chunk of the chunked prefill) while the hit it "
+        "reports covers the whole prompt: vLLM's example connector does not handle prompts longer "
+        "than one prefill chunk"
+    ),
+}
+
 Prompts = dict[tuple[int, int], list[int]]  # (length, rep) -> token ids
 
 
@@ -94,6 +103,7 @@ class Measured:
         self.hit: dict[int, list[int]] = {}
 
         self.decode_part: dict[int, list[float]] = {}  # P2P rows: the decode engine's share of the TTFT
+        self.failed: tuple[int, str] | None = None  # (prompt length, error): longer prompts not measured
 
     def add(self, n: int, seconds: float, cached: int, decode_s: float | None = None) -> None:
         self.ttft.setdefault(n, []).append(seconds)
@@ -103,9 +113,17 @@ class Measured:
 
 
 def _measure_each(prompts: Prompts, one: Callable[[list[int]], tuple[float, int]], desc: str) -> Measured:
+    """Shortest prompts first; the first failure ends the row (the engine may be gone) but keeps
+    what the shorter prompts measured."""
     m = Measured()
     for (n, _r), p in progress(sorted(prompts.items()), total=len(prompts), desc=desc):
-        seconds, cached, *decode_s = one(p)
+        try:
+            seconds, cached, *decode_s = one(p)
+        except Exception as exc:  # noqa: BLE001 - reported in the notes with the prompt length
+            m.failed = (n, first_error_line(exc))
+            for partial in (m.ttft, m.hit, m.decode_part):
+                partial.pop(n, None)  # a length is measured by all its runs or not at all
+            break
         m.add(n, seconds, cached, *decode_s)
     return m
 
@@ -259,6 +277,12 @@ def run(quick: bool) -> Section:
             notes.append(f"{row}: failed after {time.monotonic() - t0:.0f} s: {first_error_line(exc)}")
             continue
         m = results[row]
+        if m.failed:
+            n, why = m.failed
+            notes.append(
+                f"{row}: failed at the {n // 1024}k prompts (shorter ones measured): {why}"
+                + PEER_LIMITS.get(row, "")
+            )
         if row != "recompute" and not any(c > 0 for v in m.hit.values() for c in v):
             notes.append(
                 f"{row}: ran, but no request got a cached token (num_cached_tokens = 0): its row is recompute plus connector overhead"
