@@ -84,15 +84,24 @@ def importable(connector: str) -> str | None:
 
 
 def first_error_line(exc: BaseException, limit: int = 300) -> str:
-    """The most telling line of an (engine) error: the last exception line of the child traceback."""
+    """The most telling line of an (engine) error: the last exception line of the child traceback;
+    when that only points elsewhere ("see root cause above"), the last one of the engine's stderr."""
+
+    def last_error(text: str) -> str | None:
+        candidates = [
+            ln.strip()
+            for ln in text.splitlines()
+            if ("Error" in ln or "Exception" in ln or "error" in ln) and not ln.strip().startswith("File ")
+        ]
+        return candidates[-1] if candidates else None
+
+    text = str(exc)
     # The engine's own traceback comes before its stderr tail (whose warnings also say "Error").
-    text = str(exc).split("--- engine stderr (tail) ---")[0]
-    candidates = [
-        ln.strip()
-        for ln in text.splitlines()
-        if ("Error" in ln or "Exception" in ln or "error" in ln) and not ln.strip().startswith("File ")
-    ]
-    line = candidates[-1] if candidates else (text.strip().splitlines() or [type(exc).__name__])[0]
+    line = last_error(text.split("--- engine stderr (tail) ---")[0])
+    if line is None or "root cause" in line:
+        line = last_error(text) or line
+    if line is None:
+        line = (text.strip().splitlines() or [type(exc).__name__])[0]
     return line[:limit]
 
 
