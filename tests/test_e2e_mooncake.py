@@ -44,9 +44,11 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 P1_PORT, X_PORT, D_PORT = 17510, 17610, 17710
 BLOCK = 128
 MAX_TOKENS = 12
-HOLD_TIMEOUT_S = 60.0  # far above anything a loaded machine needs between prefill and pull
+# Far above what a loaded machine needs between prefill and pull, and above the 35-90 s one-vCPU
+# stalls seen on the shared CI machines (see test_e2e_mooncake_tp.py).
+HOLD_TIMEOUT_S = 180.0
 SHORT_HOLD_S = 2.0  # per request, for the expiry test
-PULL_TIMEOUT_S = 20.0
+PULL_TIMEOUT_S = 90.0
 X_PULL_TIMEOUT_S = 30.0  # X pulls one block-layer per chunk with a delay after each: keep well clear
 X_CHUNK_DELAY_S = 0.5  # test-only: X's pulls sleep after the lease and after each TE chunk
 
@@ -259,7 +261,7 @@ def test_failed_pull_with_policy_fail_is_an_error_not_a_hang(engines):
     except EngineError as exc:  # an error surfaced by LLM.generate is also "not a hang"
         pytest.fail(f"vLLM raised instead of returning an error output: {exc}")
     elapsed = time.perf_counter() - t0
-    assert elapsed < PULL_TIMEOUT_S + 30, elapsed
+    assert elapsed < 60, elapsed  # a refused handshake fails the pull at once, not at its deadline
     assert len(out.token_ids[0]) < MAX_TOKENS, out.token_ids[0]  # finished with an error
     assert out.token_ids[1] == reference.token_ids[1]  # the other request is unaffected
     _assert_clean(P1_PORT)  # the failed reader still said DONE: nothing left held

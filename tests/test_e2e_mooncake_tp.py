@@ -31,6 +31,13 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 T_PORT, S_PORT = 17810, 17910
 MAX_TOKENS = 12
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# Generous on purpose: this test is about the pull plan, not about deadlines. The shared 2-vCPU CI
+# machines stall one vCPU for 35-90 s now and then (the kernel logs "BUG: workqueue lockup ... stuck
+# for 65s"); pulls in flight then time out at the TransferEngine and are retried, and they must still
+# fit in the pull deadline, and the blocks must still be held, when the machine comes back.
+PULL_TIMEOUT_S = 120.0
+HOLD_TIMEOUT_S = 300.0
+CLEAN_TIMEOUT_S = 60.0
 
 
 def _config(port: int) -> dict:
@@ -39,7 +46,9 @@ def _config(port: int) -> dict:
         "kv_role": "kv_both",
         "kv_port": port,
         "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"hold_timeout_s": 120.0, "pull_timeout_s": 30.0},
+        # lease_s also bounds how long a DONE is re-sent to a prefill that does not answer.
+        "kv_connector_extra_config": {"hold_timeout_s": HOLD_TIMEOUT_S, "pull_timeout_s": PULL_TIMEOUT_S,
+                                      "lease_s": CLEAN_TIMEOUT_S},
     }
 
 
@@ -66,10 +75,10 @@ def test_prefill_tp2_to_decode_tp1(engines):
     assert_same_tokens(t.generate(prompts), reference)  # TP 2 computes the same tokens
     params = _prefill(t, prompts)
     assert all(p["remote_tp_size"] == 2 for p in params), params[0]
-    out = s.generate(prompts, _forward(params))
+    out = s.generate(prompts, _forward(params), timeout_s=PULL_TIMEOUT_S + 120)
     assert_same_tokens(out, reference)
     assert out.num_cached_tokens == [len(p) for p in prompts], (out.num_cached_tokens, out.stderr_tail)
-    _assert_clean(T_PORT, T_PORT + 1, S_PORT)
+    _assert_clean(T_PORT, T_PORT + 1, S_PORT, timeout_s=CLEAN_TIMEOUT_S)
 
 
 def test_prefill_tp1_to_decode_tp2(engines):
@@ -78,9 +87,9 @@ def test_prefill_tp1_to_decode_tp2(engines):
     reference = s.generate(prompts)
     params = _prefill(s, prompts)
     assert _wait_held(S_PORT, len(prompts)) == len(prompts)
-    out = t.generate(prompts, _forward(params))
+    out = t.generate(prompts, _forward(params), timeout_s=PULL_TIMEOUT_S + 120)
     assert_same_tokens(out, reference)
     assert out.num_cached_tokens == [len(p) for p in prompts], (out.num_cached_tokens, out.stderr_tail)
     # The one prefill rank freed only after both decode ranks said DONE (it was told to expect 2).
-    _assert_clean(S_PORT, T_PORT, T_PORT + 1)
+    _assert_clean(S_PORT, T_PORT, T_PORT + 1, timeout_s=CLEAN_TIMEOUT_S)
 

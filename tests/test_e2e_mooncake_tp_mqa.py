@@ -16,12 +16,20 @@ pytest.importorskip("mooncake.engine")
 from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 from test_e2e_mooncake import _assert_clean, _forward, _prefill, _prompts, _running, _wait_held  # noqa: E402
-from test_e2e_mooncake_tp import MAX_TOKENS, ONE_THREAD, _config  # noqa: E402
+from test_e2e_mooncake_tp import (  # noqa: E402
+    CLEAN_TIMEOUT_S,
+    HOLD_TIMEOUT_S,
+    MAX_TOKENS,
+    ONE_THREAD,
+    PULL_TIMEOUT_S,
+    _config,
+)
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 # Not in the default run: it passed alone and after the TP module, but failed once after every
-# other Mooncake module (five engines' worth of load on 2 cores); cause not found yet.
+# other Mooncake module. Likely the same vCPU stalls as the TP module's CI failure (see there);
+# its timeouts are now as generous, but it has not been re-run enough to return to the default set.
 # Run it with `pytest tests/test_e2e_mooncake_tp_mqa.py` (no marker filter).
 pytestmark = pytest.mark.flaky_on_small_hosts
 
@@ -45,8 +53,9 @@ def test_replicated_head_reads_one_replica_and_the_idle_rank_is_told_to_free():
         params = _prefill(p, prompts)
         held = [_wait_held(base + r, len(prompts)) for r in (0, 1)]
         assert held == [len(prompts)] * 2, held  # both replicas hold every request until told
-        out = d.generate(prompts, _forward(params))
+        out = d.generate(prompts, _forward(params), timeout_s=PULL_TIMEOUT_S + 120)
         assert_same_tokens(out, reference)
         assert out.num_cached_tokens == [len(q) for q in prompts], (out.num_cached_tokens, out.stderr_tail)
-        # Freed well before the 120 s hold: the rank read from by DONE, the other by FreeNow.
-        _assert_clean(base, base + 1, timeout_s=20)
+        # Freed well before the hold expires: the rank read from by DONE, the other by FreeNow.
+        assert CLEAN_TIMEOUT_S < HOLD_TIMEOUT_S / 4
+        _assert_clean(base, base + 1, timeout_s=CLEAN_TIMEOUT_S)

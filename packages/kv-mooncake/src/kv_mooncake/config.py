@@ -22,6 +22,10 @@ class MooncakeConfig(ConnectorConfig):
     hold_timeout_s: float = 120.0  # prefill: blocks nobody pulled are freed after this
     lease_s: float = 10.0  # prefill: an in-flight pull keeps blocks this long past the hold, renewed
     handshake_timeout_s: float = 5.0
+    # One TransferEngine read attempt (Mooncake's MC_TRANSFER_TIMEOUT and TCP progress / status
+    # timeouts, unless set in the environment): a stalled attempt fails after this and is retried
+    # until pull_timeout_s.
+    transfer_attempt_timeout_s: float = 10.0
     max_inflight_transfers: int = 512  # per peer; the TCP transport rejects more than 1024
     num_pull_threads: int = 4
     max_message_bytes: int = 1 << 20
@@ -36,7 +40,8 @@ class MooncakeConfig(ConnectorConfig):
     def __post_init__(self) -> None:
         if not 1 <= self.max_inflight_transfers <= 1024:
             raise ValueError("max_inflight_transfers must be in 1..1024 (Mooncake's per-peer TCP queue)")
-        for name in ("pull_timeout_s", "hold_timeout_s", "lease_s", "handshake_timeout_s"):
+        for name in ("pull_timeout_s", "hold_timeout_s", "lease_s", "handshake_timeout_s",
+                     "transfer_attempt_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.debug_pull_chunk_delay_s < 0:

@@ -18,6 +18,8 @@ _COUNTERS = {  # metric suffix -> (documentation, how to read it from the stats 
                       lambda d: (d.get("counters") or {}).get("expired_holds", 0)),
     "rejected_reads": ("Pull requests refused because they named blocks not held for that request.",
                        lambda d: (d.get("counters") or {}).get("rejected_reads", 0)),
+    "transfer_retries": ("TransferEngine reads attempted again after a failed or stalled attempt.",
+                         lambda d: (d.get("counters") or {}).get("transfer_retries", 0)),
 }
 
 

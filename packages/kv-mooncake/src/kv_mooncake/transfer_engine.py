@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -14,6 +15,23 @@ _INSTALL_HINT = (
     "pip install 'kv-mooncake[cpu]' (mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1; "
     "on GPU/NPU machines install the Mooncake build for that device."
 )
+
+
+# Mooncake's own limits on one synchronous transfer (seconds). Left at their defaults (30 s each), a
+# peer that stalls (a frozen process, a descheduled vCPU) holds one read for up to 30 s past our
+# deadline; bounded per attempt, a stalled read fails early and is retried within the deadline.
+_ATTEMPT_TIMEOUT_ENV = ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+# An attempt that fails faster than this did not time out: the peer refused (gone, or the request is
+# invalid). A few of those in a row end the read; timeouts are retried until the deadline.
+_FAST_FAILURE_S = 1.0
+_MAX_FAST_FAILURES = 3
+
+
+def bound_attempt_timeouts(attempt_timeout_s: float) -> None:
+    """Set Mooncake's per-transfer timeouts for this process, unless the operator set them."""
+    seconds = str(max(1, round(attempt_timeout_s)))
+    for name in _ATTEMPT_TIMEOUT_ENV:
+        os.environ.setdefault(name, seconds)
 
 
 class TransferError(RuntimeError):
@@ -34,7 +52,9 @@ class MooncakeTransferEngine:
     """One engine per worker process, P2P handshake mode (no metadata server)."""
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
-                 max_inflight: int = 512):
+                 max_inflight: int = 512, attempt_timeout_s: float | None = 10.0):
+        if attempt_timeout_s is not None:
+            bound_attempt_timeouts(attempt_timeout_s)  # read by the engine: set before it starts
         self._engine = _engine_class()()
         self.host = host
         self.max_inflight = max_inflight
@@ -75,12 +95,15 @@ class MooncakeTransferEngine:
         remote_addrs: Sequence[int],
         lengths: Sequence[int],
         deadline: float | None = None,
-        on_chunk: callable | None = None,
+        on_chunk: Callable[[], None] | None = None,
+        on_retry: Callable[[str], None] | None = None,
     ) -> int:
         """Read ``remote -> local`` in chunks of at most ``max_inflight`` requests; returns bytes.
 
-        ``deadline`` (time.monotonic) is checked between chunks; ``on_chunk()`` runs after each chunk
-        (lease renewal). Raises TransferError on the first failed chunk.
+        ``deadline`` (time.monotonic) is checked between chunks and attempts; ``on_chunk()`` runs after
+        each chunk (lease renewal). With a deadline, a failed chunk is read again (reads are
+        idempotent) until the deadline, or until the peer refused a few times in a row;
+        ``on_retry(reason)`` runs before each retry. Raises TransferError when a chunk cannot be read.
         """
         n = len(lengths)
         if not (len(local_addrs) == len(remote_addrs) == n):
@@ -91,23 +114,40 @@ class MooncakeTransferEngine:
             if deadline is not None and time.monotonic() > deadline:
                 raise TransferError("batch_transfer_sync_read", -1, f"deadline passed after {start}/{n} reads from {peer}")
             end = min(n, start + self.max_inflight)
+            self._read_chunk(peer, lock, local_addrs[start:end], remote_addrs[start:end], lengths[start:end],
+                             deadline, on_retry)
+            total += sum(lengths[start:end])
+            if on_chunk is not None:
+                on_chunk()
+        return total
+
+    def _read_chunk(self, peer: str, lock: threading.Lock, local: Sequence[int], remote: Sequence[int],
+                    lengths: Sequence[int], deadline: float | None, on_retry: Callable[[str], None] | None) -> None:
+        fast_failures, attempts, backoff = 0, 0, 0.05
+        while True:
+            attempts += 1
             # The per-peer lock keeps us under the engine's queue limit; waiting for it counts
             # against the pull's deadline like everything else.
             wait_s = -1 if deadline is None else max(0.0, deadline - time.monotonic())
             if not lock.acquire(timeout=wait_s):
                 raise TransferError("batch_transfer_sync_read", -1, f"deadline passed waiting for {peer}")
+            started = time.monotonic()
             try:
-                rc = self._engine.batch_transfer_sync_read(
-                    peer, list(local_addrs[start:end]), list(remote_addrs[start:end]), list(lengths[start:end])
-                )
+                rc = self._engine.batch_transfer_sync_read(peer, list(local), list(remote), list(lengths))
             finally:
                 lock.release()
-            if rc != 0:
-                raise TransferError("batch_transfer_sync_read", rc, f"{end - start} reads from {peer}")
-            total += sum(lengths[start:end])
-            if on_chunk is not None:
-                on_chunk()
-        return total
+            if rc == 0:
+                return
+            took = time.monotonic() - started
+            fast_failures = fast_failures + 1 if took < _FAST_FAILURE_S else 0
+            what = f"{len(lengths)} reads from {peer}, attempt {attempts} failed after {took:.1f}s"
+            if deadline is None or fast_failures >= _MAX_FAST_FAILURES or time.monotonic() + backoff >= deadline:
+                raise TransferError("batch_transfer_sync_read", rc, what)
+            logger.warning("Mooncake: %s; reading again", what)
+            if on_retry is not None:
+                on_retry(what)
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 1.0)
 
     def close(self) -> None:
         if self._closed:

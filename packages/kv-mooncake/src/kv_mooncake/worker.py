@@ -185,6 +185,7 @@ class MooncakeWorker:
                 self.config.protocol,
                 self.config.device_name,
                 self.config.max_inflight_transfers,
+                self.config.transfer_attempt_timeout_s,
             )
         self.te.register([(a, b * cache.num_blocks) for a, b in zip(cache.base_addresses, cache.block_bytes)])
         if self.is_producer or self.config.decode_side_channel:
@@ -523,7 +524,8 @@ class MooncakeWorker:
         if delay:  # test-only: a window in which the lease is taken but no byte has moved
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
-        return self.te.read_blocks(hs.te_address, local, remote, lengths, deadline, on_chunk)
+        return self.te.read_blocks(hs.te_address, local, remote, lengths, deadline, on_chunk,
+                                   on_retry=lambda _why: self.stats.incr("transfer_retries"))
 
     def _addresses(self, req: PullRequest, pull: Any, hs: P.HandshakeReply) -> tuple[list[int], list[int], list[int]]:
         assert self.cache is not None

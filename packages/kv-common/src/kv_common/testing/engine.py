@@ -55,6 +55,8 @@ class EngineResult:
     pid: int | None = None  # the engine child (front-end) pid
     start_s: float | None = None  # engine start inside the child: import vllm + LLM()
     extra: dict[str, Any] = field(default_factory=dict)
+    # WARNING / ERROR lines the engine logged during this call (why a pull or load failed).
+    log_warnings: list[str] = field(default_factory=list)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -322,6 +324,23 @@ class EngineProcess:
             fh.seek(max(0, size - chars))
             return fh.read().decode("utf-8", "replace")
 
+    def _log_size(self) -> int:
+        path = self.log_path
+        return path.stat().st_size if path is not None and path.exists() else 0
+
+    def log_warnings_since(self, offset: int, limit: int = 40) -> list[str]:
+        """WARNING / ERROR lines the engine's process tree logged after byte ``offset``."""
+        path = self.log_path
+        if path is None or not path.exists():
+            return []
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode("utf-8", "replace")
+        # Connector loggers without a handler print bare messages (logging's last resort): match words too.
+        marks = ("WARNING", "ERROR", "Traceback", "failed", "Error")
+        lines = [ln for ln in text.splitlines() if any(m in ln for m in marks)]
+        return lines[-limit:]
+
     def _read_msg(self, timeout_s: float, what: str) -> dict[str, Any]:
         assert self._proc is not None and self._sel is not None and self._proc.stdout is not None
         deadline = time.monotonic() + timeout_s
@@ -381,6 +400,7 @@ class EngineProcess:
             "extra_args": list(extra_args_per_prompt) if extra_args_per_prompt is not None else None,
             "max_tokens": list(max_tokens) if isinstance(max_tokens, Sequence) else max_tokens,
         }
+        log_offset = self._log_size()
         res = self._request(req, timeout_s, "generate")
         return EngineResult(
             token_ids=res["token_ids"],
@@ -392,6 +412,7 @@ class EngineProcess:
             stderr_tail=self.stderr_tail(2000),
             pid=self.pid,
             start_s=self.start_s,
+            log_warnings=self.log_warnings_since(log_offset),
         )
 
     def timings(self, timeout_s: float = 60.0) -> dict[str, list[float]]:
@@ -540,7 +561,9 @@ def assert_same_tokens(
         )
     if problems:
         same = sum(1 for g, w in zip(got, want, strict=False) if g == w)
+        logged = result.log_warnings if isinstance(result, EngineResult) else []
         raise AssertionError(
             f"generated tokens differ from the baseline ({same}/{len(want)} prompts identical):\n"
             + "\n".join(problems)
+            + ("\nengine warnings during the run:\n  " + "\n  ".join(logged) if logged else "")
         )
