@@ -27,11 +27,8 @@ from test_e2e_mooncake_tp import (  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-# Not in the default run: it passed alone and after the TP module, but failed once after every
-# other Mooncake module. Likely the same vCPU stalls as the TP module's CI failure (see there);
-# its timeouts are now as generous, but it has not been re-run enough to return to the default set.
-# Run it with `pytest tests/test_e2e_mooncake_tp_mqa.py` (no marker filter).
-pytestmark = pytest.mark.flaky_on_small_hosts
+# Back in the default run: its one failure (after every other Mooncake module) matched the vCPU
+# stalls of the TP module's CI failure; with the TP module's timeouts it passed 3 of 3 such runs.
 
 
 def test_replicated_head_reads_one_replica_and_the_idle_rank_is_told_to_free():
