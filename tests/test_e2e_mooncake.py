@@ -261,7 +261,7 @@ def test_failed_pull_with_policy_fail_is_an_error_not_a_hang(engines):
     except EngineError as exc:  # an error surfaced by LLM.generate is also "not a hang"
         pytest.fail(f"vLLM raised instead of returning an error output: {exc}")
     elapsed = time.perf_counter() - t0
-    assert elapsed < 60, elapsed  # a refused handshake fails the pull at once, not at its deadline
+    assert elapsed < 50, elapsed  # a refused handshake fails the pull at once, not at its deadline
     assert len(out.token_ids[0]) < MAX_TOKENS, out.token_ids[0]  # finished with an error
     assert out.token_ids[1] == reference.token_ids[1]  # the other request is unaffected
     _assert_clean(P1_PORT)  # the failed reader still said DONE: nothing left held

@@ -15,7 +15,7 @@ import pytest
 np = pytest.importorskip("numpy")
 pytest.importorskip("mooncake.engine")
 
-from kv_mooncake.transfer_engine import MooncakeTransferEngine, TransferError  # noqa: E402
+from kv_mooncake.transfer_engine import _ATTEMPT_TIMEOUT_ENV, MooncakeTransferEngine, TransferError  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 BLOCK = 4096
@@ -90,7 +90,7 @@ def test_read_from_a_frozen_peer_is_retried_until_it_resumes(target, monkeypatch
     """The failure seen on shared CI machines: the peer process (or its vCPU) stops for longer than
     one transfer may take. Each stalled attempt fails after the attempt timeout and is read again;
     the read completes, with the right bytes, once the peer runs again, within the deadline."""
-    for name in ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):
+    for name in _ATTEMPT_TIMEOUT_ENV:
         monkeypatch.delenv(name, raising=False)
     proc, _, address, base, digests = target
     local = np.zeros(8 * BLOCK, dtype=np.uint8)

@@ -315,27 +315,25 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ I/O
     def stderr_tail(self, chars: int = _STDERR_TAIL_CHARS) -> str:
-        path = self.log_path
-        if path is None or not path.exists():
-            return getattr(self, "_last_tail", "")
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - chars))
-            return fh.read().decode("utf-8", "replace")
+        text = self._read_log_from(max(0, self._log_size() - chars))
+        return getattr(self, "_last_tail", "") if text is None else text
 
     def _log_size(self) -> int:
         path = self.log_path
         return path.stat().st_size if path is not None and path.exists() else 0
 
-    def log_warnings_since(self, offset: int, limit: int = 40) -> list[str]:
-        """WARNING / ERROR lines the engine's process tree logged after byte ``offset``."""
+    def _read_log_from(self, offset: int) -> str | None:
+        """The engine log from byte ``offset`` on; None once the log is gone."""
         path = self.log_path
         if path is None or not path.exists():
-            return []
+            return None
         with open(path, "rb") as fh:
             fh.seek(offset)
-            text = fh.read().decode("utf-8", "replace")
+            return fh.read().decode("utf-8", "replace")
+
+    def log_warnings_since(self, offset: int, limit: int = 40) -> list[str]:
+        """WARNING / ERROR lines the engine's process tree logged after byte ``offset``."""
+        text = self._read_log_from(offset) or ""
         # Connector loggers without a handler print bare messages (logging's last resort): match words too.
         marks = ("WARNING", "ERROR", "Traceback", "failed", "Error")
         lines = [ln for ln in text.splitlines() if any(m in ln for m in marks)]
