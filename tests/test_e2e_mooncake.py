@@ -228,7 +228,7 @@ def test_1p2d_each_decode_pulls_its_own_requests(engines):
         out = results.get(name)
         assert out is not None and not isinstance(out, Exception), (name, out)
         assert_same_tokens(out, [reference.token_ids[i] for i in idx])
-        assert out.num_cached_tokens == [len(prompts[i]) for i in idx], (name, out.num_cached_tokens)
+        assert out.num_cached_tokens == [len(prompts[i]) for i in idx], (name, out.num_cached_tokens, out.log_warnings)
     _assert_clean(P1_PORT)
     _assert_clean(D_PORT)
     _assert_clean(X_PORT)
@@ -307,6 +307,6 @@ def test_prefill_sigkilled_mid_pull_recomputes_without_hang(engines):
     assert elapsed < X_PULL_TIMEOUT_S + 30, elapsed  # the pull deadline plus the decode itself
     assert_same_tokens(out, reference)  # kv_load_failure_policy=recompute
     # Every pull was in flight (or not yet begun) when P1 died: all were recomputed locally.
-    assert out.num_cached_tokens == [0] * len(prompts), out.num_cached_tokens  # type: ignore[union-attr]
+    assert out.num_cached_tokens == [0] * len(prompts), (out.num_cached_tokens, out.log_warnings)  # type: ignore[union-attr]
     _assert_clean(X_PORT)  # the decode holds nothing: no pending pull, no leaked state
     p1.close(timeout_s=10)
