@@ -1,19 +1,37 @@
-"""Shared plumbing for the benchmark modules: machine facts, medians, ratios, sections, plots.
+"""Shared plumbing for the benchmark modules: machine facts, statistics, sections, claims, plots.
 
 Each ``benchmarks/bench_*.py`` exposes ``run(quick: bool) -> Section``; ``python -m benchmarks``
-runs them all and writes BENCHMARKS.md with the plots first and the tables after.
+runs them all and writes the whole BENCHMARKS.md: a summary generated from the sections' claims
+(each computed from this run's figures), then every section with its own run line (date, machine,
+mode, load), its findings next to its plots and tables.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
+import random
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOTS = ROOT / "benchmarks" / "plots"
+
+
+@dataclass
+class Claim:
+    """One finding of a run, written from its numbers: ``met`` is None for a plain figure, else
+    whether the target it names was met."""
+
+    text: str
+    met: bool | None = None
+
+    def markdown(self) -> str:
+        mark = {True: "**met**: ", False: "**missed**: ", None: ""}[self.met]
+        return f"{mark}{self.text}"
 
 
 @dataclass
@@ -23,19 +41,82 @@ class Section:
     tables: list[str] = field(default_factory=list)  # markdown tables
     plots: list[str] = field(default_factory=list)  # paths relative to the repo root
     notes: list[str] = field(default_factory=list)  # what could not run here, and why
+    claims: list[Claim] = field(default_factory=list)  # findings, generated from the figures
+    run_line: str = ""  # date, machine, mode, load: filled in by ``python -m benchmarks``
 
 
-def median(values: list[float]) -> float:
+# ---------------------------------------------------------------- statistics
+def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (q in [0, 1]); nan for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def ratio(value: float, reference: float) -> float:
     return value / reference if reference else float("nan")
 
 
+def bootstrap_ci(
+    values: Sequence[float],
+    stat: Callable[[Sequence[float]], float] = median,
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 1,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``stat`` over ``values`` (nan, nan for fewer than 3)."""
+    if len(values) < 3:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    n = len(values)
+    stats = sorted(stat([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    return quantile(stats, (1 - level) / 2), quantile(stats, 1 - (1 - level) / 2)
+
+
+def slope_ci(xs: Sequence[float], ys: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """Least-squares slope of ys on xs with a normal-approximation interval (slope, lo, hi)."""
+    n = len(xs)
+    if n < 3:
+        return float("nan"), float("nan"), float("nan")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if not sxx:
+        return float("nan"), float("nan"), float("nan")
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    a = my - b * mx
+    resid = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))
+    se = math.sqrt(resid / (n - 2) / sxx)
+    z = statistics.NormalDist().inv_cdf(1 - (1 - level) / 2)
+    return b, b - z * se, b + z * se
+
+
+def against_target(
+    what: str, value: float, target: float, *, higher_is_better: bool = True, fmt: str = ".3g", unit: str = ""
+) -> Claim:
+    """A claim stating ``value`` against ``target``: met, or missed by how much."""
+    if math.isnan(value):
+        return Claim(f"{what}: not measured (target {'>=' if higher_is_better else '<='} {target:{fmt}}{unit})", False)
+    met = value >= target if higher_is_better else value <= target
+    sign = ">=" if higher_is_better else "<="
+    gap = abs(value - target)
+    tail = f"target {sign} {target:{fmt}}{unit}" + ("" if met else f", short by {gap:{fmt}}{unit}")
+    return Claim(f"{what}: {value:{fmt}}{unit} ({tail})", met)
+
+
+# ---------------------------------------------------------------- output
 def table(header: list[str], rows: list[list[object]]) -> str:
     def cell(v: object) -> str:
         if isinstance(v, float):
+            if math.isnan(v):
+                return "–"
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
         return str(v)
 
@@ -55,6 +136,13 @@ def machine() -> str:
         cpu = platform.processor()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
+
+
+def load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
 
 
 def plot_path(name: str) -> Path:
