@@ -61,6 +61,14 @@ class DelayedFreeTracker:
             current.deadline = max(current.deadline, now + ttl_s)
             logger.debug("request %s held again", request_id)
 
+    def expect(self, request_id: str, expected_done: int) -> None:
+        """Raise the number of readers to wait for (learned from the first reader). Leaves the
+        deadline alone: a hold a client shortened stays short."""
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if hold is not None:
+                hold.expected_done = max(hold.expected_done, expected_done)
+
     def begin_read(self, request_id: str, reader_id: str, lease_s: float | None = None) -> bool:
         """A reader starts pulling. False when the blocks are gone or going: it must not read them."""
         now = self._clock()

@@ -140,7 +140,8 @@ class MooncakeWorker:
         self._active_reads: set[tuple[str, str]] = set()  # (request, reader) between PullStarted and PullDone
         self._expected_known: set[str] = set()
         self._recently_freed: OrderedDict[str, str] = OrderedDict()
-        self._early_done: dict[str, set[str]] = {}
+        # DONEs that overtook their hold: readers seen and the reader count they announced.
+        self._early_done: dict[str, tuple[set[str], int]] = {}
         self._early_free: OrderedDict[str, None] = OrderedDict()
         self._pending_pulls: set[str] = set()
         self._handshakes: dict[tuple[str, str], P.HandshakeReply] = {}
@@ -246,8 +247,10 @@ class MooncakeWorker:
             self._held_blocks[request_id] = num_blocks
             self._held_block_ids[request_id] = frozenset(block_ids or ())
             early_free = self._early_free.pop(request_id, 0) is None
-            early_done = self._early_done.pop(request_id, set())
-        self.tracker.hold(request_id, 1, ttl_s or self.config.hold_timeout_s)
+            early_done, expected = self._early_done.pop(request_id, (set(), 1))
+            if early_done:
+                self._expected_known.add(request_id)
+        self.tracker.hold(request_id, max(1, expected), ttl_s or self.config.hold_timeout_s)
         for reader in early_done:
             self.tracker.done(request_id, reader)
         if early_free:
@@ -273,8 +276,8 @@ class MooncakeWorker:
             if request_id in self._expected_known or request_id not in self._held_blocks:
                 return
             self._expected_known.add(request_id)
-        if expected > 1 and request_id in self.tracker:
-            self.tracker.hold(request_id, expected, self.config.hold_timeout_s)
+        if expected > 1:
+            self.tracker.expect(request_id, expected)  # the hold's deadline stays as it was
 
     def _not_held(self, request_id: str) -> P.Refused:
         with self._lock:
@@ -307,7 +310,9 @@ class MooncakeWorker:
                 self._active_reads.discard((message.request_id, message.reader_id))
                 held = message.request_id in self._held_blocks
                 if not held and message.request_id not in self._recently_freed:
-                    self._early_done.setdefault(message.request_id, set()).add(message.reader_id)
+                    readers, expected = self._early_done.get(message.request_id, (set(), 1))
+                    readers.add(message.reader_id)
+                    self._early_done[message.request_id] = (readers, max(expected, message.expected_readers))
                     while len(self._early_done) > _RECENT:
                         self._early_done.pop(next(iter(self._early_done)))
             if held:
@@ -454,6 +459,12 @@ class MooncakeWorker:
             self._handshakes = {k: v for k, v in self._handshakes.items() if k[1] != source.engine_id}
         # Always DONE, also after a failure: the prefill must not wait for us until expiry.
         owed: list[tuple[str, msgspec.Struct]] = []
+        if not counts:
+            # No plan: nobody will read any rank. Every decode rank that gets here says so (FreeNow is
+            # idempotent), so the prefill frees now even if decode rank 0 is gone.
+            for rank in prefill.ranks():
+                owed.append((self._peer_address(source, rank, prefill),
+                             P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
         for rank, n in counts.items():
             if n == 0 and self.decode_rank == DecodeRank(0):  # one decode rank tells the idle ranks
                 owed.append((self._peer_address(source, rank, prefill),

@@ -1,0 +1,137 @@
+"""Hold-protocol edge cases (issue 13 §1): each of these stranded or freed prefill memory wrongly.
+
+The prefill side runs its real handler (and, where the test is about delivery, its real ZMQ side
+channel); the TransferEngine is a fake only where no byte moves.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from kv_mooncake import protocol as P
+from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource
+from kv_mooncake.pull_plan import DecodeLayout, PrefillLayout, PrefillRank
+from kv_mooncake.worker import LocalCache, MooncakeWorker
+
+SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
+
+
+class FakeTransferEngine:
+    """Stands in for the TE where no byte moves (the plan fails before any read)."""
+
+    rpc_address = "127.0.0.1:1"
+
+    def register(self, regions):
+        self.regions = regions
+
+    def close(self):
+        pass
+
+
+def _free_port(n: int = 1) -> int:
+    """A base port with ``n`` free ports above it (best effort)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        try:
+            for i in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
+def _cache() -> LocalCache:
+    return LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4)
+
+
+def _prefill(cfg: MooncakeConfig, port: int, rank: PrefillRank = PrefillRank(0, 0), tp: int = 1) -> MooncakeWorker:
+    w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=port,
+                       prefill_rank=rank, prefill_layout=PrefillLayout(tp_size=tp, total_kv_heads=4),
+                       total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    w.register_cache(_cache(), SHAPE, "float32")
+    return w
+
+
+def _finished(w: MooncakeWorker) -> set[str]:
+    sending, _ = w.get_finished()
+    return sending or set()
+
+
+def _wait_freed(w: MooncakeWorker, request_id: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if request_id in _finished(w):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+def prefill():
+    w = _prefill(MooncakeConfig(hold_timeout_s=30.0, lease_s=0.3), _free_port())
+    yield w
+    w.close()
+
+
+def test_done_before_the_hold_keeps_the_expected_reader_count(prefill):
+    """Two decode ranks read one prefill rank; the first DONE overtakes the hold (the prefill's
+    worker applies holds one engine step after the request finished). The blocks must wait for the
+    second reader: freed after the first, the second reads freed (reused) blocks."""
+    prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2))
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[0, 1])]))
+    assert _finished(prefill) == set(), "freed after one of two readers"
+    started = prefill.handle(P.PullStarted(request_id="r", reader_id="b", expected_readers=2, block_ids=[0, 1]))
+    assert isinstance(started, P.Ack)
+    prefill.handle(P.PullDone(request_id="r", reader_id="b", ok=True, expected_readers=2))
+    assert _finished(prefill) == {"r"}
+
+
+def test_learning_the_reader_count_keeps_a_shortened_hold_short(prefill):
+    """A client shortened this request's hold to 0.3 s; the first of two readers then reads and
+    leaves. The second never comes: the hold must expire at 0.3 s, not at the configured 30 s."""
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0], ttl_s=0.3)]))
+    assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=2,
+                                                   block_ids=[0])), P.Ack)
+    prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2))
+    time.sleep(0.5)
+    assert _finished(prefill) == {"r"}, "the per-request hold was extended to hold_timeout_s"
+
+
+def test_plan_error_on_the_decode_frees_every_prefill_rank_at_once():
+    """The decode cannot plan the pull (here: a decode DCP layout the plan refuses). Nothing will
+    ever be read, so every prefill rank of the request must free now, not after its 60 s hold."""
+    base = _free_port(2)
+    cfg = MooncakeConfig(hold_timeout_s=60.0, lease_s=2.0)
+    ranks = [_prefill(cfg, base, PrefillRank(t, 0), tp=2) for t in range(2)]
+    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=_free_port(),
+                            decode_layout=DecodeLayout(tp_size=1, dcp_size=2), total_kv_heads=4,
+                            compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    decode.register_cache(_cache(), SHAPE, "float32")
+    try:
+        for w in ranks:
+            w.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[0, 1])]))
+        source = RemoteSource(engine_id="P", host="127.0.0.1", port=base, request_id="r", block_ids=[0, 1], tp_size=2)
+        decode.start_step(MooncakeStep(pulls=[PullRequest(request_id="d-r", source=source,
+                                                          local_block_ids=[[2, 3]], num_blocks=2, skip_blocks=0)]))
+        deadline = time.monotonic() + 10
+        recving: set[str] = set()
+        while "d-r" not in recving and time.monotonic() < deadline:
+            recving |= decode.get_finished()[1] or set()
+            time.sleep(0.02)
+        assert recving == {"d-r"}
+        assert decode.ledger.take_block_ids_with_load_errors() == {2, 3}
+        for w in ranks:
+            assert _wait_freed(w, "r", 5.0), f"prefill rank {w.prefill_rank} still holds after a plan error"
+    finally:
+        decode.close()
+        for w in ranks:
+            w.close()
