@@ -6,6 +6,7 @@ entry point in every process (front-end, EngineCore, workers), so nothing heavy 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ class ConnectorSpec:
     # The distribution that ships it; filled in by discovery, used by ``python -m kv_common list``.
     package: str = ""
     package_version: str = ""
+    # "module:function" that parses this connector's kv_connector_extra_config exactly as the
+    # connector does at start-up, without vLLM: ``function(extra, connector_name) -> config``
+    # (used by ``python -m kv_common doctor``; the module must be import-light).
+    config_parser: str = ""
 
 
 # name -> spec that this process registered into vLLM's factory.
@@ -51,7 +56,7 @@ def _specs_from_entry_point(ep: importlib_metadata.EntryPoint) -> list[Connector
             raise ConnectorRegistryError(
                 f"entry point {ep.name!r} ({ep.value}) must give a ConnectorSpec, got {type(spec).__name__}"
             )
-        out.append(ConnectorSpec(spec.name, spec.module, spec.class_name, package, version))
+        out.append(dataclasses.replace(spec, package=package, package_version=version))
     return out
 
 
