@@ -1,6 +1,6 @@
 """Target side of the raw TransferEngine benchmark: ``python -m benchmarks._te_peer BYTES``.
 
-Registers one buffer of BYTES (filled with a byte pattern) with a Mooncake TransferEngine over
+Registers one buffer of BYTES (each 4 KiB page starts with its index) with a Mooncake TransferEngine over
 loopback TCP, prints ``{"peer": "127.0.0.1:PORT", "addr": INT, "bytes": N}`` on stdout and serves
 reads until stdin closes.
 """
@@ -17,8 +17,9 @@ def main() -> int:
 
     nbytes = int(sys.argv[1])
     buf = np.empty(nbytes, dtype=np.uint8)
-    buf[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8) if nbytes <= (64 << 20) else 0x5A
-    buf[::4096] = 7  # touch every page
+    buf[:] = 0x5A  # touches every page
+    # Each 4 KiB page starts with its own index (uint64): a reader checks it read the right pages.
+    buf[: nbytes - nbytes % 8].view(np.uint64)[::512] = np.arange((nbytes + 4095) // 4096, dtype=np.uint64)
     te = TransferEngine()
     rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     if rc != 0:

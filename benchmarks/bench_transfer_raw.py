@@ -1,16 +1,25 @@
-"""Transfer path limits: a local memory copy and the raw Mooncake TransferEngine (loopback TCP).
+"""Transfer path ceilings: local memory copies and the best raw Mooncake TransferEngine use (loopback TCP).
 
-Reusable by other benches (``bench_mooncake`` adds the connector rows on the same blocks)::
+Reusable by other benches (``bench_mooncake`` reports the connector against these ceilings)::
 
-    from benchmarks.bench_transfer_raw import memcpy_gbps, raw_te_read_gbps, prompt_blocks, LAYOUT
-    raw_te_read_gbps(256 << 10, 512)        # GB/s, median of reps; one TE peer process, kept warm
-    memcpy_gbps(256 << 10, 512)
-    prompt_blocks(4096)                     # (block_bytes, num_blocks) of a 4k-token prompt
+    from benchmarks.bench_transfer_raw import RAW_METHODS, raw_te_read_seconds, te_bench_gbps, memcpy_gbps
+    raw_te_read_seconds(256 << 10, 512, method="async 4x256")   # seconds per rep, bytes verified
+    te_bench_gbps(256 << 10)     # Mooncake's own transfer_engine_bench (C++), GB/s, memoized per run
+    memcpy_gbps(256 << 10, 512, threads=os.cpu_count())
 
-Both move ``num_blocks`` blocks of ``block_bytes`` to scattered places (a random permutation of
-block slots), the way a KV pull gathers a prompt's blocks: the memcpy with one ``index_select``,
-the TransferEngine with ``batch_transfer_sync_read`` calls of at most ``BATCH`` blocks (the TCP
-transport queues at most 1024 requests per peer). The peer is a second process.
+Every Python-API method moves ``num_blocks`` blocks of ``block_bytes`` from a second process into
+scattered local slots (a random permutation), the way a KV pull gathers a prompt's blocks:
+
+* ``sync 512`` — ``batch_transfer_sync_read`` of 512 blocks per call, one call at a time (what
+  MooncakeConnectorV1 does with its default ``max_inflight_transfers``);
+* ``sync 1024`` — the same with 1024-block calls (the TCP transport's per-peer queue limit);
+* ``async 4x256`` / ``async 8x128`` — ``batch_transfer_async_read`` with 4 (8) calls in flight,
+  a sliding window completed with ``get_batch_transfer_status`` (1024 requests in flight at most);
+* ``transfer_engine_bench`` — Mooncake's C++ benchmark from the wheel (``-threads`` = cores,
+  contiguous blocks, fixed duration): what the engine does without Python in the loop.
+
+The bytes of every Python-API repetition are verified: each block's first 8 bytes must be the
+index of the peer page it came from (the peer writes its page index there).
 """
 
 from __future__ import annotations
@@ -19,15 +28,28 @@ import atexit
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
-from benchmarks.report import ROOT, Section, median, plot_path, progress, table
+from benchmarks.report import ROOT, Claim, Section, median, plot_path, progress, table
 
-BATCH = 512
 KIB, MIB = 1 << 10, 1 << 20
+PAGE = 4096
+# name -> (blocks per call, calls in flight; 0 = synchronous)
+RAW_METHODS: dict[str, tuple[int, int]] = {
+    "sync 512": (512, 0),
+    "sync 1024": (1024, 0),
+    "async 4x256": (256, 4),
+    "async 8x128": (128, 8),
+}
+CONNECTOR_LIKE = "sync 512"  # the connector's own method, for reference
+BATCH = 512  # kept for callers of the old API
 
 
 @dataclass(frozen=True)
@@ -64,16 +86,14 @@ def _perm(num_blocks: int, seed: int = 0):
 
 
 # ---------------------------------------------------------------- local memory copy
-def memcpy_seconds(block_bytes: int, num_blocks: int, reps: int = 3) -> list[float]:
+def memcpy_seconds(block_bytes: int, num_blocks: int, reps: int = 3, threads: int = 1) -> list[float]:
     import torch
 
     src = torch.ones((num_blocks, block_bytes), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     idx = torch.from_numpy(_perm(num_blocks)).long()
-    # One thread: OpenMP threads spin-wait badly when other processes share the cores, and one
-    # copy stream is the fair comparison for one TCP stream anyway.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         torch.index_select(src, 0, idx, out=dst)  # warm-up, first touch
         times = []
@@ -82,15 +102,15 @@ def memcpy_seconds(block_bytes: int, num_blocks: int, reps: int = 3) -> list[flo
             torch.index_select(src, 0, idx, out=dst)
             times.append(time.perf_counter() - t0)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     return times
 
 
-def memcpy_gbps(block_bytes: int, num_blocks: int, reps: int = 3) -> float:
-    return block_bytes * num_blocks / median(memcpy_seconds(block_bytes, num_blocks, reps)) / 1e9
+def memcpy_gbps(block_bytes: int, num_blocks: int, reps: int = 3, threads: int = 1) -> float:
+    return block_bytes * num_blocks / median(memcpy_seconds(block_bytes, num_blocks, reps, threads)) / 1e9
 
 
-# ---------------------------------------------------------------- raw TransferEngine
+# ---------------------------------------------------------------- raw TransferEngine (Python API)
 class _Peer:
     """The target process: one registered buffer of ``nbytes``."""
 
@@ -164,33 +184,66 @@ def close_peers() -> None:
         _INIT.close()
 
 
-def raw_te_read_seconds(block_bytes: int, num_blocks: int, reps: int = 3) -> list[float]:
-    """Seconds to pull ``num_blocks`` remote blocks into scattered local slots, per rep."""
+def read_blocks(te, peer: str, dst: list[int], src: list[int], lens: list[int], method: str) -> None:
+    """Read ``src -> dst`` (one entry per block) with one of :data:`RAW_METHODS`; raises on failure."""
+    per_call, window = RAW_METHODS[method]
+    n = len(lens)
+    if not window:
+        for s in range(0, n, per_call):
+            rc = te.batch_transfer_sync_read(peer, dst[s : s + per_call], src[s : s + per_call], lens[s : s + per_call])
+            if rc != 0:
+                raise RuntimeError(f"batch_transfer_sync_read rc={rc}")
+        return
+    inflight: deque[int] = deque()
+    try:
+        for s in range(0, n, per_call):
+            if len(inflight) >= window:
+                rc = te.get_batch_transfer_status([inflight.popleft()])
+                if rc != 0:
+                    raise RuntimeError(f"get_batch_transfer_status rc={rc}")
+            bid = te.batch_transfer_async_read(peer, dst[s : s + per_call], src[s : s + per_call], lens[s : s + per_call])
+            if not bid:
+                raise RuntimeError("batch_transfer_async_read returned batch id 0")
+            inflight.append(bid)
+    finally:
+        if inflight:
+            rc = te.get_batch_transfer_status(list(inflight))
+            if rc != 0:
+                raise RuntimeError(f"get_batch_transfer_status rc={rc}")
+
+
+def raw_te_read_seconds(block_bytes: int, num_blocks: int, reps: int = 3, method: str = CONNECTOR_LIKE) -> list[float]:
+    """Seconds to pull ``num_blocks`` remote blocks into scattered local slots, per rep; the bytes
+    of every rep are checked (each block's first page index)."""
     import numpy as np
 
+    if block_bytes % PAGE:
+        raise ValueError("block_bytes must be a multiple of 4 KiB (the peer's page pattern)")
     init = _initiator()
     total = block_bytes * num_blocks
     peer = init.peer_for(total)
     local = np.zeros(total, dtype=np.uint8)
-    local[::4096] = 1  # touch every page before timing
+    local[::PAGE] = 1  # touch every page before timing
     base = int(local.ctypes.data)
     rc = init.te.register_memory(base, total)
     if rc != 0:
         raise RuntimeError(f"register_memory rc={rc}")
     perm = _perm(num_blocks)
-    dst = [base + int(i) * block_bytes for i in range(num_blocks)]
+    dst = [base + i * block_bytes for i in range(num_blocks)]
     src = [peer.addr + int(p) * block_bytes for p in perm]
     lens = [block_bytes] * num_blocks
+    heads = local.view(np.uint64)[:: block_bytes // 8]  # first 8 bytes of every local block
+    expected = perm.astype(np.uint64) * np.uint64(block_bytes // PAGE)
 
     def once() -> float:
+        heads[:] = np.uint64(2**64 - 1)
         t0 = time.perf_counter()
-        for s in range(0, num_blocks, BATCH):
-            rc = init.te.batch_transfer_sync_read(
-                peer.name, dst[s : s + BATCH], src[s : s + BATCH], lens[s : s + BATCH]
-            )
-            if rc != 0:
-                raise RuntimeError(f"batch_transfer_sync_read rc={rc}")
-        return time.perf_counter() - t0
+        read_blocks(init.te, peer.name, dst, src, lens, method)
+        seconds = time.perf_counter() - t0
+        if not np.array_equal(heads, expected):
+            bad = int(np.count_nonzero(heads != expected))
+            raise RuntimeError(f"raw TE ({method}): {bad} of {num_blocks} blocks hold the wrong bytes")
+        return seconds
 
     try:
         once()  # warm-up: handshake, first touch on the peer side
@@ -199,8 +252,67 @@ def raw_te_read_seconds(block_bytes: int, num_blocks: int, reps: int = 3) -> lis
         init.te.unregister_memory(base)
 
 
-def raw_te_read_gbps(block_bytes: int, num_blocks: int, reps: int = 3) -> float:
-    return block_bytes * num_blocks / median(raw_te_read_seconds(block_bytes, num_blocks, reps)) / 1e9
+def raw_te_read_gbps(block_bytes: int, num_blocks: int, reps: int = 3, method: str = CONNECTOR_LIKE) -> float:
+    return block_bytes * num_blocks / median(raw_te_read_seconds(block_bytes, num_blocks, reps, method)) / 1e9
+
+
+# ---------------------------------------------------------------- Mooncake's own C++ benchmark
+_TE_BENCH: dict[tuple[int, float], float] = {}
+
+
+def te_bench_binary() -> Path | None:
+    try:
+        import mooncake
+    except ImportError:
+        return None
+    path = Path(mooncake.__file__).parent / "transfer_engine_bench"
+    return path if path.exists() else None
+
+
+def te_bench_gbps(block_bytes: int, duration_s: float = 3.0, threads: int | None = None) -> float:
+    """Read throughput of Mooncake's ``transfer_engine_bench`` (target + initiator processes, loopback
+    TCP, P2P handshake, batches of 128 blocks), GB/s; memoized per block size for this run."""
+    key = (block_bytes, duration_s)
+    if key in _TE_BENCH:
+        return _TE_BENCH[key]
+    binary = te_bench_binary()
+    if binary is None:
+        raise FileNotFoundError("the Mooncake wheel has no transfer_engine_bench")
+    threads = threads or os.cpu_count() or 1
+    buf = str(max(128 * MIB, 128 * block_bytes * threads * 2))
+    common = ["-protocol", "tcp", "-metadata_server", "P2PHANDSHAKE", "-local_server_name", "127.0.0.1",
+              "-buffer_size", buf]
+    env = {**os.environ, "MC_LOG_LEVEL": "INFO"}
+    with tempfile.TemporaryFile("w+") as tlog:
+        target = subprocess.Popen([str(binary), "-mode", "target", *common], stdout=tlog, stderr=tlog, env=env)
+        try:
+            peer, deadline = None, time.monotonic() + 30
+            while peer is None and time.monotonic() < deadline and target.poll() is None:
+                time.sleep(0.2)
+                tlog.seek(0)
+                m = re.search(r"listening on ([0-9.]+:[0-9]+)", tlog.read())
+                peer = m.group(1) if m else None
+            if peer is None:
+                raise RuntimeError("transfer_engine_bench target did not start")
+            out = subprocess.run(
+                [str(binary), "-mode", "initiator", *common, "-segment_id", peer, "-operation", "read",
+                 "-block_size", str(block_bytes), "-batch_size", "128", "-threads", str(threads),
+                 "-duration", str(int(max(1, duration_s)))],
+                capture_output=True, text=True, env=env, timeout=duration_s + 60,
+            )
+        finally:
+            target.terminate()
+            try:
+                target.wait(10)
+            except subprocess.TimeoutExpired:
+                target.kill()
+                target.wait(5)
+    m = re.search(r"throughput ([0-9.]+) GB/s", out.stdout + out.stderr)
+    if out.returncode != 0 or m is None:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"transfer_engine_bench rc={out.returncode}: {tail[0][:200]}")
+    _TE_BENCH[key] = float(m.group(1))
+    return _TE_BENCH[key]
 
 
 # ---------------------------------------------------------------- the section
@@ -211,34 +323,42 @@ def _loglog_slope(xs: list[float], ys: list[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / den if den else float("nan")
 
 
-def _plot(block_sizes, bs_rows, lengths, len_rows) -> str:
+def prompt_bytes(num_tokens: int) -> int:
+    bb, nb = prompt_blocks(num_tokens)
+    return bb * nb
+
+
+def _plot(block_sizes: list[int], series: dict[str, dict[int, list[float]]], lengths, len_rows) -> str:
+    """Left: GB/s by block size (median with min-max band) of every method; right: whole prompts."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, key, style in (("local memcpy", "memcpy", "k-o"), ("raw TransferEngine (TCP)", "te", "-s")):
-        xs = [b for b in block_sizes if bs_rows.get((b, key))]
-        a1.plot([x / KIB for x in xs], [bs_rows[(x, key)] for x in xs], style, label=name, markersize=4)
-        xs = [n for n in lengths if len_rows.get((n, key))]
-        a2.plot(
-            [prompt_bytes(n) / MIB for n in xs],
-            [len_rows[(n, key)] * 1e3 for n in xs],
-            style,
-            label=name,
-            markersize=4,
-        )
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for name, by_size in series.items():
+        xs = [b for b in block_sizes if by_size.get(b)]
+        if not xs:
+            continue
+        med = [median(by_size[b]) for b in xs]
+        style = "k-o" if name.startswith("memcpy") else ("--x" if name == "transfer_engine_bench" else "-s")
+        line = a1.plot([x / KIB for x in xs], med, style, label=name, markersize=4)[0]
+        a1.fill_between([x / KIB for x in xs], [min(by_size[b]) for b in xs], [max(by_size[b]) for b in xs],
+                        color=line.get_color(), alpha=0.15)
     a1.set_xscale("log", base=2)
     a1.set_yscale("log")
     a1.set_xlabel("block size (KiB)")
-    a1.set_ylabel("GB/s (median)")
+    a1.set_ylabel("GB/s (median; band: min-max of reps)")
     a1.set_title("Throughput by block size")
+    for name, key, style in (("memcpy, all threads", "memcpy", "k-o"), ("raw TE, best method", "te", "-s")):
+        xs = [n for n in lengths if len_rows.get((n, key))]
+        a2.plot([prompt_bytes(n) / MIB for n in xs], [len_rows[(n, key)] * 1e3 for n in xs], style, label=name,
+                markersize=4)
     a2.set_xscale("log", base=2)
     a2.set_yscale("log")
     a2.set_xlabel("bytes moved (MiB)")
     a2.set_ylabel("time (ms, median)")
-    a2.set_title(f"Whole prompt ({LAYOUT.bytes_per_token // KIB} KiB/token), log-log")
+    a2.set_title(f"Whole prompt ({LAYOUT.bytes_per_token // KIB} KiB/token), log-log; dotted: slope 1")
     if lengths:
         ref = [prompt_bytes(n) / MIB for n in lengths]
         for key in ("memcpy", "te"):
@@ -247,81 +367,108 @@ def _plot(block_sizes, bs_rows, lengths, len_rows) -> str:
                 a2.plot(ref, [t0 * r / ref[0] for r in ref], ":", color="grey", linewidth=0.8)
     for ax in (a1, a2):
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(plot_path("transfer_raw.png"), dpi=110)
     plt.close(fig)
     return "benchmarks/plots/transfer_raw.png"
 
 
-def prompt_bytes(num_tokens: int) -> int:
-    bb, nb = prompt_blocks(num_tokens)
-    return bb * nb
-
-
 def run(quick: bool) -> Section:
     block_sizes = [16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 2 * MIB]
     total = (64 if quick else 256) * MIB
-    lengths = [1024, 2048, 4096, 8192] if quick else [1024, 2048, 4096, 8192, 16384]
-    reps = 3 if quick else 5
+    lengths = [1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384]
+    reps = 3 if quick else 7
+    threads = os.cpu_count() or 1
+    bench_s = 2.0 if quick else 5.0
     notes: list[str] = []
-    bs_rows: dict[tuple[int, str], float] = {}
-    len_rows: dict[tuple[int, str], float] = {}  # seconds
-    te_error = None
+    # series name -> block size -> GB/s of every rep
+    series: dict[str, dict[int, list[float]]] = {"memcpy, 1 thread": {}, f"memcpy, {threads} threads": {}}
+    series.update({m: {} for m in RAW_METHODS})
+    series["transfer_engine_bench"] = {}
+    errors: dict[str, str] = {}
     try:
         for b in progress(block_sizes, desc="raw transfer by block size"):
             n = total // b
-            bs_rows[(b, "memcpy")] = memcpy_gbps(b, n, reps)
-            if te_error is None:
+            series["memcpy, 1 thread"][b] = [b * n / t / 1e9 for t in memcpy_seconds(b, n, reps, 1)]
+            series[f"memcpy, {threads} threads"][b] = [b * n / t / 1e9 for t in memcpy_seconds(b, n, reps, threads)]
+            for method in RAW_METHODS:
+                if method in errors:
+                    continue
                 try:
-                    bs_rows[(b, "te")] = raw_te_read_gbps(b, n, reps)
+                    series[method][b] = [b * n / t / 1e9 for t in raw_te_read_seconds(b, n, reps, method)]
+                except Exception as exc:  # noqa: BLE001 - report, keep the other methods
+                    errors[method] = f"{type(exc).__name__}: {exc}"
+            if "transfer_engine_bench" not in errors:
+                try:
+                    series["transfer_engine_bench"][b] = [te_bench_gbps(b, bench_s, threads)]
                 except Exception as exc:  # noqa: BLE001
-                    te_error = f"{type(exc).__name__}: {exc}"
+                    errors["transfer_engine_bench"] = f"{type(exc).__name__}: {exc}"
+        len_rows: dict[tuple[int, str], float] = {}  # seconds, best TE method by median
+        len_method: dict[int, str] = {}
         for n_tok in progress(lengths, desc="raw transfer by prompt length"):
             bb, nb = prompt_blocks(n_tok)
-            len_rows[(n_tok, "memcpy")] = median(memcpy_seconds(bb, nb, reps))
-            if te_error is None:
+            len_rows[(n_tok, "memcpy")] = median(memcpy_seconds(bb, nb, reps, threads))
+            best = None
+            for method in RAW_METHODS:
+                if method in errors:
+                    continue
                 try:
-                    len_rows[(n_tok, "te")] = median(raw_te_read_seconds(bb, nb, reps))
+                    t = median(raw_te_read_seconds(bb, nb, reps, method))
                 except Exception as exc:  # noqa: BLE001
-                    te_error = f"{type(exc).__name__}: {exc}"
+                    errors[method] = f"{type(exc).__name__}: {exc}"
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, method)
+            if best:
+                len_rows[(n_tok, "te")], len_method[n_tok] = best
     finally:
         close_peers()
-    if te_error:
-        notes.append(f"raw TransferEngine rows incomplete: {te_error}")
+    notes += [f"{m}: incomplete: {e}" for m, e in errors.items()]
 
+    te_names = [*RAW_METHODS, "transfer_engine_bench"]
+    rows, best_by_size = [], {}
+    for b in block_sizes:
+        meds = {m: median(series[m][b]) for m in te_names if series[m].get(b)}
+        best = max(meds, key=meds.get) if meds else None  # type: ignore[arg-type]
+        best_by_size[b] = best
+        rows.append([
+            f"{b // KIB} KiB", total // b,
+            median(series["memcpy, 1 thread"].get(b, [])), median(series[f"memcpy, {threads} threads"].get(b, [])),
+            *[meds.get(m, float("nan")) for m in te_names],
+            best or "–",
+            meds[best] / meds[CONNECTOR_LIKE] if best and CONNECTOR_LIKE in meds else float("nan"),
+        ])
     t1 = table(
-        ["block size", "blocks", "memcpy GB/s", "raw TE GB/s", "TE / memcpy"],
-        [
-            [
-                f"{b // KIB} KiB",
-                total // b,
-                bs_rows.get((b, "memcpy"), float("nan")),
-                bs_rows.get((b, "te"), float("nan")),
-                bs_rows.get((b, "te"), float("nan")) / bs_rows[(b, "memcpy")],
-            ]
-            for b in block_sizes
-        ],
+        ["block size", "blocks", "memcpy 1 thread GB/s", f"memcpy {threads} threads GB/s",
+         *[f"TE {m} GB/s" for m in te_names], "best TE", f"best / {CONNECTOR_LIKE}"],
+        rows,
     )
     rows2 = []
     for n_tok in lengths:
         nbytes = prompt_bytes(n_tok)
         mc, te = len_rows.get((n_tok, "memcpy")), len_rows.get((n_tok, "te"))
-        rows2.append(
-            [
-                f"{n_tok // 1024}k",
-                f"{nbytes / MIB:,.0f}",
-                f"{mc * 1e3:.3g}" if mc else "–",
-                nbytes / mc / 1e9 if mc else "–",
-                f"{te * 1e3:.3g}" if te else "–",
-                nbytes / te / 1e9 if te else "–",
-                te / mc if te and mc else "–",
-            ]
-        )
+        rows2.append([
+            f"{n_tok // 1024}k", f"{nbytes / MIB:,.0f}",
+            f"{mc * 1e3:.3g}" if mc else "–", nbytes / mc / 1e9 if mc else "–",
+            len_method.get(n_tok, "–"), f"{te * 1e3:.3g}" if te else "–", nbytes / te / 1e9 if te else "–",
+            te / mc if te and mc else "–",
+        ])
     t2 = table(
-        ["prompt", "MiB", "memcpy ms", "memcpy GB/s", "raw TE ms", "raw TE GB/s", "TE / memcpy time"], rows2
+        ["prompt", "MiB", f"memcpy ({threads} threads) ms", "memcpy GB/s", "best TE method", "TE ms", "TE GB/s",
+         "TE / memcpy time"],
+        rows2,
     )
-    for key, label in (("memcpy", "memcpy"), ("te", "raw TE")):
+    claims = []
+    for b in block_sizes:
+        best = best_by_size[b]
+        if best and series[CONNECTOR_LIKE].get(b):
+            gain = median(series[best][b]) / median(series[CONNECTOR_LIKE][b])
+            claims.append(Claim(
+                f"{b // KIB} KiB blocks: best raw TE use is `{best}` at {median(series[best][b]):.2f} GB/s, "
+                f"{gain:.2f}x the connector's own method (`{CONNECTOR_LIKE}`, {median(series[CONNECTOR_LIKE][b]):.2f} GB/s)"
+            ))
+    for key, label in (("memcpy", "memcpy"), ("te", "raw TE (best method)")):
         xs = [n for n in lengths if len_rows.get((n, key))]
         if len(xs) >= 2:
             slope = _loglog_slope([prompt_bytes(n) for n in xs], [len_rows[(n, key)] for n in xs])
@@ -332,19 +479,22 @@ def run(quick: bool) -> Section:
         f"{LAYOUT.block_bytes // KIB} KiB; a prompt moves layers x ceil(tokens/128) blocks"
     )
     notes.append(
-        f"block-size sweep: {total // MIB} MiB per measurement, blocks to/from random slots; memcpy: torch index_select, 1 thread; "
-        f"TE: batch_transfer_sync_read in batches of {BATCH}, peer = second process, loopback TCP; "
-        f"median of {reps}"
+        f"block-size sweep: {total // MIB} MiB per measurement, blocks to random local slots, median of {reps} "
+        "after a warm-up, every repetition's bytes checked; memcpy: torch index_select; "
+        f"transfer_engine_bench: {threads} submission threads, batches of 128 contiguous blocks, "
+        f"{bench_s:.0f} s per size, one figure (its own average)"
     )
     return Section(
-        title="Transfer path: raw limits",
+        title="Transfer path: raw ceilings",
         summary=(
-            "The ceiling for any KV transfer on this machine: a local gather copy (torch index_select) and "
-            "Mooncake's TransferEngine pulling the same blocks from a second process over loopback TCP, "
-            "by block size and by prompt length of a fixed 32-layer fp16 layout. Linear scaling shows as a "
-            "slope of 1 in the log-log plot (dotted lines)."
+            "The ceilings any KV transfer on this machine is measured against: a local gather copy (1 thread "
+            "and all threads) and Mooncake's TransferEngine pulling blocks from a second process over loopback "
+            "TCP, used four ways from Python (synchronous 512- and 1024-block calls; asynchronous calls with 4 or "
+            "8 in flight) and by Mooncake's own C++ `transfer_engine_bench`. 'best TE' is the fastest of them "
+            "per block size; the P2P connector section reports against it."
         ),
         tables=[t1, t2],
-        plots=[_plot(block_sizes, bs_rows, lengths, len_rows)],
+        plots=[_plot(block_sizes, series, lengths, len_rows)],
         notes=notes,
+        claims=claims,
     )
