@@ -135,3 +135,97 @@ def test_plan_error_on_the_decode_frees_every_prefill_rank_at_once():
         decode.close()
         for w in ranks:
             w.close()
+
+
+def _prefill_params(request_id: str, port: int, prompt: list[int], ttl_s: float | None = None) -> dict:
+    """kv_transfer_params as the prefill's own scheduler hands them to the proxy."""
+    from types import SimpleNamespace
+
+    from kv_mooncake.scheduler import MooncakeScheduler
+
+    sched = MooncakeScheduler(MooncakeConfig(), engine_id="P", block_size=16, is_producer=True, is_consumer=False,
+                              side_channel_port=port)
+    params = {"do_remote_decode": True, **({"hold_timeout_s": ttl_s} if ttl_s else {})}
+    req = SimpleNamespace(request_id=request_id, kv_transfer_params=params, prompt_token_ids=prompt,
+                          status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), num_computed_tokens=len(prompt))
+    held, out = sched.request_finished(req, ([0, 1],))
+    assert held and out is not None
+    return out
+
+
+def test_a_request_waiting_on_the_decode_keeps_its_hold_alive():
+    """The decode accepted the request (async load) but has no blocks for it yet: no pull, no
+    lease. The prefill must not free under it: its hold (0.6 s here) is kept alive by the decode
+    until the pull, and freed by the DONE, not by expiry."""
+    from types import SimpleNamespace
+
+    from kv_mooncake.scheduler import MooncakeScheduler
+
+    cfg = MooncakeConfig(hold_timeout_s=0.6, lease_s=0.3)
+    prefill = _prefill(cfg, _free_port())
+    sched = MooncakeScheduler(cfg, engine_id="D", block_size=16, is_producer=False, is_consumer=True,
+                              side_channel_port=_free_port())
+    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=_free_port(),
+                            total_kv_heads=4, engine_factory=FakeTransferEngine)
+    decode.register_cache(_cache(), SHAPE, "float32")
+    prompt = list(range(20))
+    params = _prefill_params("r", prefill.side_channel_port, prompt)
+    req = SimpleNamespace(request_id="d-r", kv_transfer_params=params, prompt_token_ids=prompt,
+                          status=SimpleNamespace(name="FINISHED_ABORTED"))
+    try:
+        prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[0, 1])]))
+        assert sched.get_num_new_matched_tokens(req, 0) == (20, True)
+        end = time.monotonic() + 1.5  # 2.5 hold times, no blocks for the request on the decode
+        freed: set[str] = set()
+        while time.monotonic() < end:
+            decode.start_step(sched.build_step())  # engine steps go on (other requests)
+            freed |= _finished(prefill)
+            time.sleep(0.05)
+        assert freed == set(), "the prefill freed a request the decode had accepted and will pull"
+        assert sched.request_finished(req, []) == (False, None)  # then aborted: frees at once
+        decode.start_step(sched.build_step())
+        assert _wait_freed(prefill, "r", 5.0)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_keep_alive_is_capped():
+    """A decode that keeps accepting but never pulls cannot hold prefill memory forever."""
+    clock = [0.0]
+    from kv_common.delayed_free import DelayedFreeTracker
+
+    freed: list[tuple[str, str]] = []
+    tracker = DelayedFreeTracker(lambda r, why: freed.append((r, why)), clock=lambda: clock[0])
+    tracker.hold("r", 1, 2.0)
+    for t in range(1, 20):
+        clock[0] = float(t)
+        tracker.keep_alive("r", extend_s=1.5, limit_s=5.0)
+        tracker.expire()
+    assert freed == [("r", "expired")]
+    clock[0] = 0.0
+    tracker.hold("s", 1, 2.0)
+    clock[0] = 3.0  # expired before the first heartbeat: not revived
+    assert not tracker.keep_alive("s", extend_s=1.5, limit_s=5.0)
+
+
+def test_only_young_holds_count_as_pending_frees():
+    """vLLM does not preempt while ``has_pending_block_frees()``; a hold nobody pulls (dead decode)
+    must stop counting after a short window, not keep the prefill's scheduling stalled for its
+    whole hold time."""
+    from types import SimpleNamespace
+
+    from kv_mooncake.scheduler import MooncakeScheduler
+
+    now = [100.0]
+    sched = MooncakeScheduler(MooncakeConfig(hold_timeout_s=120.0), engine_id="P", block_size=16, is_producer=True,
+                              is_consumer=False, side_channel_port=1)
+    sched._clock = lambda: now[0]
+    req = SimpleNamespace(request_id="r", kv_transfer_params={"do_remote_decode": True}, prompt_token_ids=[1] * 20,
+                          status=SimpleNamespace(name="FINISHED_STOPPED"), num_computed_tokens=20)
+    assert sched.request_finished(req, ([0, 1],))[0]
+    assert sched.has_pending_block_frees()  # just handed over: a healthy decode pulls it soon
+    now[0] += 30.0  # nobody pulled in 30 s: the hold may last 90 s more, preempting must go on
+    assert not sched.has_pending_block_frees(), "an old hold stalls the prefill's scheduling"
+    sched.update_connector_output({"r"})
+    assert not sched.has_pending_block_frees()

@@ -26,6 +26,7 @@ class _Hold:
     expected_done: int
     deadline: float
     ttl_s: float
+    created: float = 0.0
     readers_done: set[str] = field(default_factory=set)
     leases: dict[str, float] = field(default_factory=dict)  # reader in flight -> lease deadline
     aborted: bool = False
@@ -54,7 +55,7 @@ class DelayedFreeTracker:
         with self._lock:
             current = self._holds.get(request_id)
             if current is None:
-                self._holds[request_id] = _Hold(expected_done, now + ttl_s, ttl_s)
+                self._holds[request_id] = _Hold(expected_done, now + ttl_s, ttl_s, created=now)
                 return
             # Held twice (e.g. a retried finish): keep the readers seen, widen the limits.
             current.expected_done = max(current.expected_done, expected_done)
@@ -68,6 +69,17 @@ class DelayedFreeTracker:
             hold = self._holds.get(request_id)
             if hold is not None:
                 hold.expected_done = max(hold.expected_done, expected_done)
+
+    def keep_alive(self, request_id: str, extend_s: float, limit_s: float) -> bool:
+        """A reader will come (it waits on its side): move the deadline to ``now + extend_s``, but never
+        past ``created + ttl + limit_s``. An expired or aborted hold is not revived."""
+        now = self._clock()
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if hold is None or hold.aborted or (hold.deadline <= now and not hold.has_current_lease(now)):
+                return False
+            hold.deadline = max(hold.deadline, min(now + extend_s, hold.created + hold.ttl_s + limit_s))
+            return True
 
     def begin_read(self, request_id: str, reader_id: str, lease_s: float | None = None) -> bool:
         """A reader starts pulling. False when the blocks are gone or going: it must not read them."""

@@ -22,6 +22,14 @@ class MooncakeConfig(ConnectorConfig):
     hold_timeout_s: float = 120.0  # prefill: blocks nobody pulled are freed after this
     lease_s: float = 10.0  # prefill: an in-flight pull keeps blocks this long past the hold, renewed
     handshake_timeout_s: float = 5.0
+    # prefill: vLLM waits for held blocks instead of preempting a running request only while some
+    # hold is younger than this (a healthy decode pulls by then); older holds wait for a slow or dead
+    # decode and must not stall this prefill's scheduling.
+    pending_free_window_s: float = 5.0
+    # decode: a request accepted for a remote load keeps its prefill hold alive (a heartbeat every
+    # lease_s / 3) while it waits for blocks or a pull thread, for at most this long; the prefill
+    # caps a hold's keep-alive extension at the same value.
+    keepalive_max_s: float = 600.0
     # One TransferEngine read attempt (Mooncake's MC_TRANSFER_TIMEOUT and TCP progress / status
     # timeouts, unless set in the environment): a stalled attempt fails after this and is retried
     # until pull_timeout_s.
@@ -41,7 +49,7 @@ class MooncakeConfig(ConnectorConfig):
         if not 1 <= self.max_inflight_transfers <= 1024:
             raise ValueError("max_inflight_transfers must be in 1..1024 (Mooncake's per-peer TCP queue)")
         for name in ("pull_timeout_s", "hold_timeout_s", "lease_s", "handshake_timeout_s",
-                     "transfer_attempt_timeout_s"):
+                     "transfer_attempt_timeout_s", "pending_free_window_s", "keepalive_max_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.debug_pull_chunk_delay_s < 0:

@@ -99,7 +99,8 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
-            self._scheduler.update_connector_output(getattr(connector_output, "finished_sending", None))
+            self._scheduler.update_connector_output(getattr(connector_output, "finished_sending", None),
+                                                    getattr(connector_output, "finished_recving", None))
 
     def has_pending_block_frees(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_block_frees()

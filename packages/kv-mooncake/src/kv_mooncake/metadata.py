@@ -37,6 +37,7 @@ class MooncakeStep(msgspec.Struct, kw_only=True):
     pulls: list[PullRequest] = []
     holds: list[HoldRequest] = []  # prefill: finished requests whose blocks wait for readers
     frees: list[RemoteSource] = []  # decode: tell the prefill to free (nothing will be pulled)
+    keepalives: list[RemoteSource] = []  # decode: accepted, not pulled yet: keep the hold alive
 
     def is_empty(self) -> bool:
-        return not (self.pulls or self.holds or self.frees)
+        return not (self.pulls or self.holds or self.frees or self.keepalives)

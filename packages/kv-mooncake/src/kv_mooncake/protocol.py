@@ -9,6 +9,7 @@ Flow for one request and one (decode rank, prefill rank) pair::
     LeaseRenew -> Ack | Refused                  (long pulls)
     PullDone   -> Ack                            (always sent, also after a failed read)
     FreeNow    -> Ack                            (ranks nobody reads from; aborted decode requests)
+    HoldKeepAlive -> Ack | Refused               (decode accepted the request, no pull yet: keep the hold)
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ class FreeNow(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     reader_id: str = ""
 
 
+class HoldKeepAlive(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """The decode accepted this request and will pull it (it waits for blocks or a pull thread)."""
+
+    request_id: str
+    reader_id: str = ""
+
+
 class LeakQuery(msgspec.Struct, tag=True, frozen=True):
     """Tests and operators: what does this worker still hold?"""
 
@@ -99,5 +107,5 @@ class LeakReport(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     active_reads: int = 0  # prefill: readers holding a current lease
 
 
-REQUEST_TYPES = (Handshake, PullStarted, LeaseRenew, PullDone, FreeNow, LeakQuery)
+REQUEST_TYPES = (Handshake, PullStarted, LeaseRenew, PullDone, FreeNow, HoldKeepAlive, LeakQuery)
 REPLY_TYPES = (HandshakeReply, Ack, Refused, LeakReport)

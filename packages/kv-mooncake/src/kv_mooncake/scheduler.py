@@ -9,6 +9,8 @@ asynchronously; the worker pulls and reports it in ``finished_recving``.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -62,6 +64,7 @@ class MooncakeScheduler:
         tp_size: int = 1,
         pcp_size: int = 1,
         dcp_size: int = 1,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
         self.engine_id = engine_id
@@ -71,7 +74,11 @@ class MooncakeScheduler:
         self.tp_size, self.pcp_size, self.dcp_size = tp_size, pcp_size, dcp_size
         self._local_computed: dict[str, int] = {}  # decode: prefix hit seen by get_num_new_matched_tokens
         self._step = MooncakeStep()
-        self._held: set[str] = set()  # prefill: requests whose blocks the workers still hold
+        self._clock = clock
+        # prefill: requests whose blocks the workers still hold -> when the hold was handed over
+        self._held: dict[str, float] = {}
+        # decode: requests accepted for a remote load and not loaded yet -> [source, accepted, last beat]
+        self._waiting: dict[str, list] = {}
 
     # ---- decode side -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -80,6 +87,11 @@ class MooncakeScheduler:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         self._local_computed[request.request_id] = num_computed_tokens
+        if count > 0 and request.request_id not in self._waiting:
+            source = _remote_source(params)
+            if source is not None:  # from now on the prefill's hold is kept alive (see build_step)
+                now = self._clock()
+                self._waiting[request.request_id] = [source, now, now]
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -92,6 +104,7 @@ class MooncakeScheduler:
         if source is None:
             return
         if num_external_tokens <= 0:
+            self._waiting.pop(request.request_id, None)
             self._step.frees.append(source)  # full local hit: nothing to pull, the prefill may free
             return
         num_tokens = local_computed + num_external_tokens
@@ -111,6 +124,7 @@ class MooncakeScheduler:
         if not params:
             return False, None
         self._local_computed.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
         if params.get("do_remote_prefill"):
             # Finished (aborted) before its blocks were allocated: the prefill still holds them.
             params["do_remote_prefill"] = False
@@ -124,7 +138,7 @@ class MooncakeScheduler:
         groups = [list(g) for g in block_ids] if block_ids and isinstance(block_ids[0], (list, tuple)) else [list(block_ids or [])]
         if status not in _FINISHED_OK or not any(groups):
             return False, None  # aborted prefill: vLLM frees its blocks now, nothing to hand over
-        self._held.add(request.request_id)
+        self._held[request.request_id] = self._clock()
         self._step.holds.append(HoldRequest(request_id=request.request_id, num_blocks=len(groups[0]),
                                             block_ids=list(groups[0]), ttl_s=self._hold_ttl(params)))
         out = KVTransferParams(
@@ -159,12 +173,35 @@ class MooncakeScheduler:
         return min(ttl, self.config.hold_timeout_s)
 
     def build_step(self) -> MooncakeStep:
+        self._keep_waiting_holds_alive()
         step, self._step = self._step, MooncakeStep()
         return step
 
-    def update_connector_output(self, finished_sending: set[str] | None) -> None:
+    def _keep_waiting_holds_alive(self) -> None:
+        """A request accepted for a remote load may wait here (no free blocks, or queued for a pull
+        thread) before any pull takes a lease: tell its prefill to keep the hold, every third of a
+        lease, for at most ``keepalive_max_s`` (then the prefill's own hold time decides)."""
+        now = self._clock()
+        interval = self.config.lease_s / 3
+        for request_id, entry in list(self._waiting.items()):
+            source, accepted, last = entry
+            if now - accepted > self.config.keepalive_max_s:
+                del self._waiting[request_id]
+            elif now - last >= interval:
+                entry[2] = now
+                self._step.keepalives.append(source)
+
+    def update_connector_output(self, finished_sending: set[str] | None,
+                                finished_recving: set[str] | None = None) -> None:
         for request_id in finished_sending or ():
-            self._held.discard(request_id)
+            self._held.pop(request_id, None)
+        for request_id in finished_recving or ():
+            self._waiting.pop(request_id, None)
 
     def has_pending_block_frees(self) -> bool:
-        return bool(self._held)
+        """vLLM does not preempt while this is True: it waits for the frees instead. Only a young
+        hold will be freed soon (a healthy decode pulls within ``pending_free_window_s``); an old one
+        waits for a slow or dead decode, and waiting on it would stall this prefill's scheduling for
+        the whole hold time."""
+        now = self._clock()
+        return any(now - since < self.config.pending_free_window_s for since in self._held.values())

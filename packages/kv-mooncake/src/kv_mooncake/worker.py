@@ -208,6 +208,9 @@ class MooncakeWorker:
     def start_step(self, step: MooncakeStep) -> None:
         for hold in step.holds:
             self._hold(hold.request_id, hold.num_blocks, hold.block_ids, hold.ttl_s)
+        for source in step.keepalives:
+            if self._notifier is not None and self.decode_rank == DecodeRank(0):
+                self._notifier.submit(self._keep_alive, source)
         for source in step.frees:
             if self._notifier is not None:
                 self._notifier.submit(self._tell_free, source)
@@ -328,6 +331,10 @@ class MooncakeWorker:
             if held:
                 self.tracker.abort(message.request_id)
             return P.Ack()
+        if isinstance(message, P.HoldKeepAlive):
+            if self.tracker.keep_alive(message.request_id, self.config.lease_s, self.config.keepalive_max_s):
+                return P.Ack()
+            return self._not_held(message.request_id)
         if isinstance(message, P.LeakQuery):
             r = self.leak_report()
             return P.LeakReport(held_blocks=r["held_blocks"], held_requests=r["held_requests"],
@@ -572,6 +579,17 @@ class MooncakeWorker:
                         local.append(loc)
                         lengths.append(n)
         return local, remote, lengths
+
+    def _keep_alive(self, source: RemoteSource) -> None:
+        """One try per prefill rank: the next heartbeat comes a third of a lease later."""
+        prefill = self._layouts(source)
+        message = P.HoldKeepAlive(request_id=source.request_id, reader_id=self.reader_id)
+        for rank in prefill.ranks():
+            address = self._peer_address(source, rank, prefill)
+            try:
+                self._request(address, message, min(self.config.lease_s / 3, self.config.handshake_timeout_s))
+            except side_channel.SideChannelError as exc:
+                logger.debug("MooncakeConnectorV1: keep-alive to %s not delivered: %s", address, exc)
 
     def _tell_free(self, source: RemoteSource) -> None:
         """Nothing will be pulled for this request (aborted, or a full local hit): free it there."""
