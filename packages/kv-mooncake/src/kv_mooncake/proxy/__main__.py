@@ -1,0 +1,3 @@
+from kv_mooncake.proxy.cli import main
+
+main()

@@ -1,0 +1,91 @@
+"""Which instance serves the next leg: least outstanding tokens, round-robin on ties.
+
+Pure bookkeeping (no I/O, no clock): the proxy calls :meth:`InstancePool.acquire` / ``release``
+around every leg and ``mark_down`` / ``mark_up`` on failures and health probes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+
+@dataclass
+class Instance:
+    url: str
+    role: str  # "prefill" | "decode"
+    healthy: bool = True
+    outstanding_tokens: int = 0
+    in_flight: int = 0
+    last_error: str = ""
+
+
+class InstancePool:
+    def __init__(self, role: str, urls: Collection[str]) -> None:
+        if not urls:
+            raise ValueError(f"no {role} instance")
+        self.role = role
+        self.instances = [Instance(url=u, role=role) for u in urls]
+        self._next = 0  # round-robin cursor: where the next tie-break starts
+
+    def pick(self, exclude: Collection[str] = ()) -> Instance | None:
+        """The healthy instance with the fewest outstanding tokens (ties: round-robin), or, when
+        none is healthy, a taken-out one (a request still gets its try; the failure is fast)."""
+        n = len(self.instances)
+        candidates = [(i, x) for i, x in enumerate(self.instances) if x.url not in exclude]
+        pool = [c for c in candidates if c[1].healthy] or candidates
+        if not pool:
+            return None
+        index, chosen = min(pool, key=lambda c: (c[1].outstanding_tokens, (c[0] - self._next) % n))
+        self._next = (index + 1) % n
+        return chosen
+
+    def acquire(self, instance: Instance, tokens: int) -> None:
+        instance.outstanding_tokens += tokens
+        instance.in_flight += 1
+
+    def release(self, instance: Instance, tokens: int) -> None:
+        instance.outstanding_tokens = max(0, instance.outstanding_tokens - tokens)
+        instance.in_flight = max(0, instance.in_flight - 1)
+
+    def mark_down(self, instance: Instance, reason: str) -> bool:
+        """Take an instance out; True when it was healthy until now."""
+        was = instance.healthy
+        instance.healthy, instance.last_error = False, reason
+        return was
+
+    def mark_up(self, instance: Instance) -> bool:
+        """Probe succeeded: back in; True when it was out until now."""
+        was = instance.healthy
+        instance.healthy, instance.last_error = True, ""
+        return not was
+
+    def any_healthy(self) -> bool:
+        return any(x.healthy for x in self.instances)
+
+
+def estimate_prompt_tokens(body: dict) -> int:
+    """Rough prompt size for load balancing (no tokenizer in the proxy): token-id prompts count
+    exactly, text counts ~4 characters per token."""
+    def size(x: object) -> int:
+        if isinstance(x, str):
+            return len(x) // 4 + 1
+        if isinstance(x, list):
+            if x and all(isinstance(t, int) for t in x):
+                return len(x)
+            return sum(size(y) for y in x)
+        if isinstance(x, dict):
+            return sum(size(v) for k, v in x.items() if k in ("content", "text"))
+        return 0
+
+    if "messages" in body:
+        return max(1, size(body.get("messages")))
+    return max(1, size(body.get("prompt", "")))
+
+
+def requested_max_tokens(body: dict, default: int) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return default

