@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from kv_common.config import ConnectorConfig, parse_extra_config
 
 CONNECTOR_NAME = "MooncakeConnectorV1"
+
+
+class ParallelSizes(ConnectorConfig):
+    """vllm-ascend's ``prefill`` / ``decode`` keys: the parallel layout of that side.
+
+    tp_size and pp_size are checked: at start-up against this instance's own layout (prefill
+    sizes on a producer, decode sizes on a consumer), and on the decode against the tp_size each
+    prefill reports in its kv_transfer_params. A contradiction is refused naming both values.
+    """
+
+    dp_size: int | None = None
+    tp_size: int | None = None
+    pp_size: int | None = None
+    pp_layer_partition: str | None = None
+
+    no_effect_keys: ClassVar[dict[str, str]] = {
+        "dp_size": "each prefill DP rank is found through the kv_transfer_params of its requests",
+        "pp_layer_partition": "this connector moves whole blocks of every layer a rank holds",
+    }
 
 
 class MooncakeConfig(ConnectorConfig):
@@ -44,6 +64,16 @@ class MooncakeConfig(ConnectorConfig):
     # every TE chunk (bounded by the pull deadline), so tests can kill the prefill mid-pull.
     # Never set it in production.
     debug_pull_chunk_delay_s: float = 0.0
+    # vllm-ascend's keys (values as its docs write them, strings included).
+    prefill: ParallelSizes | None = None
+    decode: ParallelSizes | None = None
+    use_ascend_direct: bool | None = None
+    ascend_local_comm_res_path: str | None = None
+
+    no_effect_keys: ClassVar[dict[str, str]] = {
+        "use_ascend_direct": "the TransferEngine transport is chosen by 'protocol' (tcp, rdma, ascend)",
+        "ascend_local_comm_res_path": "an Ascend HCCL resource file; no NPU transport here",
+    }
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_inflight_transfers <= 1024:
@@ -58,5 +88,10 @@ class MooncakeConfig(ConnectorConfig):
             raise ValueError("num_pull_threads must be >= 1")
 
 
-def load_config(extra: dict | None) -> MooncakeConfig:
-    return parse_extra_config(CONNECTOR_NAME, MooncakeConfig, extra)
+def parse_config(extra: Mapping[str, Any] | None, connector: str = CONNECTOR_NAME) -> MooncakeConfig:
+    """The connector's start-up parse (also ``python -m kv_common doctor``'s; no vLLM needed)."""
+    return parse_extra_config(connector, MooncakeConfig, extra)
+
+
+def load_config(extra: Mapping[str, Any] | None) -> MooncakeConfig:
+    return parse_config(extra)

@@ -8,6 +8,7 @@ from typing import Any
 from kv_common import vllm_compat
 
 from kv_mooncake.config import load_config
+from kv_mooncake.declared_layout import start_up_contradictions
 from kv_mooncake.metadata import MooncakeStep
 from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
 from kv_mooncake.scheduler import MooncakeScheduler, side_channel_base_port
@@ -42,9 +43,16 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):
         self.config = load_config(dict(ktc.kv_connector_extra_config or {}))
         self.engine_id = str(ktc.engine_id)
         par = _parallel(vllm_config)
+        is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        # vllm-ascend's declared prefill/decode sizes must describe what really runs here.
+        pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        contradictions = start_up_contradictions(
+            self.config, is_producer=is_producer, is_consumer=is_consumer, tp_size=par["tp"], pp_size=pp_size
+        )
+        if contradictions:
+            raise ValueError(f"MooncakeConnectorV1: kv_connector_extra_config {'; '.join(contradictions)}")
         world = par["tp"] * par["pcp"]  # DCP reuses the TP ranks
         port = side_channel_base_port(self.config, int(ktc.kv_port), par["dp_rank"], world)
-        is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self._scheduler: MooncakeScheduler | None = None
         self._worker: MooncakeWorker | None = None
         if role == _base.KVConnectorRole.SCHEDULER:

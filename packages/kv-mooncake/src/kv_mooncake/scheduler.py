@@ -17,6 +17,7 @@ import msgspec
 from kv_common.metadata import KVTransferParams
 
 from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.declared_layout import peer_layout_contradiction
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,10 @@ class MooncakeScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not self.is_consumer:
             return 0, False
+        contradiction = peer_layout_contradiction(self.config, remote_tp_size=int(params.get("remote_tp_size") or 1))
+        if contradiction:
+            self._refuse_declared_layout(request, params, contradiction)
+            return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         self._local_computed[request.request_id] = num_computed_tokens
         if count > 0 and request.request_id not in self._waiting:
@@ -93,6 +98,17 @@ class MooncakeScheduler:
                 now = self._clock()
                 self._waiting[request.request_id] = [source, now, now]
         return (count, True) if count > 0 else (0, False)
+
+    def _refuse_declared_layout(self, request: Any, params: dict, contradiction: str) -> None:
+        """The prefill's layout is not the one the config declares: a misconfigured pair. Pull
+        nothing (compute locally) and let the prefill free, as for another prompt."""
+        params["do_remote_prefill"] = False
+        self._local_computed.pop(request.request_id, None)
+        logger.warning("MooncakeConnectorV1: request %s: kv_connector_extra_config %s; computing it "
+                       "locally instead of pulling", request.request_id, contradiction)
+        source = _remote_source(params)
+        if source is not None:
+            self._step.frees.append(source)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
