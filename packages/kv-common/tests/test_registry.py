@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import importlib
+import logging
+import re
 import sys
 
 import pytest
@@ -24,8 +26,12 @@ class FakeEntryPoint:
         return self._target
 
 
-def use_entry_points(monkeypatch, eps: list[FakeEntryPoint]) -> None:
+def use_entry_points(monkeypatch, eps: list[FakeEntryPoint], plugins: list[FakeEntryPoint] | None = None) -> None:
+    """``eps``: our ``kv_common.connectors`` group; ``plugins``: the ``vllm.general_plugins`` group."""
+
     def entry_points(group: str):
+        if group == registry.VLLM_PLUGIN_GROUP:
+            return plugins or []
         assert group == registry.ENTRY_POINT_GROUP
         return eps
 
@@ -53,6 +59,10 @@ def fake_factory(monkeypatch):
     monkeypatch.setattr(FakeConnectorFactory, "_registry", {})
     monkeypatch.setattr(vllm_compat, "connector_factory", lambda: FakeConnectorFactory)
     monkeypatch.setattr(registry, "_registered", {})
+    monkeypatch.setattr(registry, "_warned", set())
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv(registry.SHARED_NAMES_ENV, raising=False)
+    use_entry_points(monkeypatch, [])
     return FakeConnectorFactory
 
 
@@ -113,16 +123,102 @@ def test_register_recognises_its_own_earlier_registration(fake_factory):
     assert register_with_vllm([ConnectorSpec("KvAlpha", "kv_alpha.c", "A")]) == []
 
 
-def test_register_name_owned_by_someone_else(fake_factory):
-    fake_factory.register_connector("Taken", "other.pkg", "OtherConnector")
-    with pytest.raises(ConnectorRegistryError, match=r"'Taken'.*other\.pkg\.OtherConnector"):
-        register_with_vllm([ConnectorSpec("Taken", "kv_mine.c", "Mine")])
+def test_register_own_name_taken_logs_an_error_and_does_not_raise(fake_factory, caplog):
+    # vLLM calls general plugins unguarded: a raise here would stop vLLM from starting.
+    fake_factory.register_connector("kv_mine.Mine", "other.pkg", "OtherConnector")
+    with caplog.at_level(logging.WARNING, logger=registry.logger.name):
+        assert register_with_vllm([ConnectorSpec("kv_mine.Mine", "kv_mine.c", "Mine")]) == []
+        assert register_with_vllm([ConnectorSpec("kv_mine.Mine", "kv_mine.c", "Mine")]) == []
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and re.search(r"'kv_mine\.Mine'.*other\.pkg\.OtherConnector", errors[0].getMessage())
+    assert registry._registered_target(fake_factory._registry["kv_mine.Mine"]) == ("other.pkg", "OtherConnector")
 
 
-def test_register_same_name_twice_with_different_targets(fake_factory):
-    register_with_vllm([ConnectorSpec("KvBeta", "kv_beta.c", "B")])
-    with pytest.raises(ConnectorRegistryError, match="KvBeta"):
-        register_with_vllm([ConnectorSpec("KvBeta", "kv_beta.c", "OtherB")])
+def test_register_same_name_twice_with_different_targets(fake_factory, caplog):
+    register_with_vllm([ConnectorSpec("kv_beta.B", "kv_beta.c", "B")])
+    with caplog.at_level(logging.WARNING, logger=registry.logger.name):
+        assert register_with_vllm([ConnectorSpec("kv_beta.B", "kv_beta.c", "OtherB")]) == []
+    assert "kv_beta.B" in caplog.text
+    assert registry._registered_target(fake_factory._registry["kv_beta.B"]) == ("kv_beta.c", "B")
+
+
+MOONCAKE = ConnectorSpec(
+    "kv_mooncake.MooncakeConnectorV1", "kv_mooncake.connector", "MooncakeConnectorV1",
+    shared_names=("MooncakeConnectorV1",),
+)
+ASCEND_P2P = ("vllm_ascend.distributed.kv_transfer.kv_p2p.mooncake_connector", "MooncakeConnector")
+
+
+class FakeAscendPlugin(FakeEntryPoint):
+    """vllm-ascend's general plugin: ``register_connector`` that raises on a name already taken."""
+
+    def __init__(self, factory):
+        def register_connector():
+            factory.register_connector("MooncakeConnectorV1", *ASCEND_P2P)
+
+        super().__init__("ascend_kv_connector", register_connector, value="vllm_ascend:register_connector")
+
+
+def load_plugins_like_vllm(plugins: list[FakeEntryPoint]) -> None:
+    """vllm.plugins.load_general_plugins: load every entry point, then call each, unguarded."""
+    for func in [p.load() for p in plugins]:
+        func()
+
+
+@pytest.mark.parametrize("order", ["ours_first", "ascend_first"])
+def test_shared_name_left_to_vllm_ascend_in_both_orders(fake_factory, monkeypatch, caplog, order):
+    ours = FakeEntryPoint("kv_mooncake", lambda: register_with_vllm([MOONCAKE]), value="kv_mooncake.plugin:register")
+    ascend = FakeAscendPlugin(fake_factory)
+    plugins = [ours, ascend] if order == "ours_first" else [ascend, ours]
+    use_entry_points(monkeypatch, [], plugins)
+    with caplog.at_level(logging.WARNING, logger=registry.logger.name):
+        load_plugins_like_vllm(plugins)  # nothing raises: vLLM starts
+        register_with_vllm([MOONCAKE])  # plugins loaded again in the same process
+    assert registry._registered_target(fake_factory._registry["MooncakeConnectorV1"]) == ASCEND_P2P
+    assert registry._registered_target(fake_factory._registry["kv_mooncake.MooncakeConnectorV1"]) == MOONCAKE.target
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings  # one warning, naming the name that selects ours
+    assert "'MooncakeConnectorV1'" in warnings[0] and "'kv_mooncake.MooncakeConnectorV1'" in warnings[0]
+    assert "vllm-ascend" in warnings[0]
+
+
+def test_shared_name_registered_when_free(fake_factory):
+    assert register_with_vllm([MOONCAKE]) == ["kv_mooncake.MooncakeConnectorV1", "MooncakeConnectorV1"]
+    assert register_with_vllm([MOONCAKE]) == []
+    owners = {o.name: o.owner for o in registry.name_owners([MOONCAKE], fake_factory._registry)}
+    assert owners == {"kv_mooncake.MooncakeConnectorV1": "ours", "MooncakeConnectorV1": "ours"}
+
+
+def test_vllm_ascend_disabled_by_vllm_plugins(fake_factory, monkeypatch):
+    use_entry_points(monkeypatch, [], [FakeAscendPlugin(fake_factory)])
+    monkeypatch.setenv("VLLM_PLUGINS", "kv_mooncake")  # vLLM will not run vllm-ascend's plugin
+    assert "MooncakeConnectorV1" in register_with_vllm([MOONCAKE])
+
+
+def test_shared_names_off(fake_factory, monkeypatch):
+    monkeypatch.setenv(registry.SHARED_NAMES_ENV, "0")
+    assert register_with_vllm([MOONCAKE]) == ["kv_mooncake.MooncakeConnectorV1"]
+    owners = {o.name: o.owner for o in registry.name_owners([MOONCAKE], fake_factory._registry)}
+    assert owners["MooncakeConnectorV1"] == f"not registered: {registry.SHARED_NAMES_ENV}=0"
+
+
+def test_name_owners_reports_each_owner(fake_factory, monkeypatch):
+    fake_factory.register_connector("MooncakeConnectorV1", *ASCEND_P2P)
+    fake_factory.register_connector("ExampleConnector", "vllm.distributed.x", "ExampleConnector")
+    register_with_vllm([MOONCAKE])
+    example = ConnectorSpec("kv_x.Example", "kv_x.c", "Example", shared_names=("ExampleConnector",))
+    owners = {o.name: o.owner for o in registry.name_owners([MOONCAKE, example], fake_factory._registry)}
+    assert owners == {
+        "kv_mooncake.MooncakeConnectorV1": "ours",
+        "MooncakeConnectorV1": f"vllm-ascend ({ASCEND_P2P[0]}.{ASCEND_P2P[1]})",
+        "kv_x.Example": "not registered",
+        "ExampleConnector": "vLLM built-in (vllm.distributed.x.ExampleConnector)",
+    }
+    # Without vLLM: what registering would do.
+    use_entry_points(monkeypatch, [], [FakeAscendPlugin(fake_factory)])
+    owners = {o.name: o.owner for o in registry.name_owners([MOONCAKE], None)}
+    assert owners["kv_mooncake.MooncakeConnectorV1"] == "not registered: vLLM not installed"
+    assert owners["MooncakeConnectorV1"].startswith("left to vllm-ascend")
 
 
 def test_registry_module_is_import_light():
@@ -135,11 +231,19 @@ def test_registry_module_is_import_light():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_real_vllm_factory_refuses_example_connector(monkeypatch):
+def test_real_vllm_factory_leaves_example_connector(monkeypatch, caplog):
     factory_module = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.factory")
     monkeypatch.setattr(registry, "_registered", {})
-    with pytest.raises(ConnectorRegistryError, match="ExampleConnector.*example_connector"):
-        register_with_vllm([ConnectorSpec("ExampleConnector", "kv_mine.c", "Mine")])
+    monkeypatch.setattr(registry, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger=registry.logger.name):
+        logging.getLogger(registry.logger.name).addHandler(caplog.handler)  # vLLM's logger may not propagate
+        try:
+            spec = ConnectorSpec("kv_mine.Mine", "kv_mine.c", "Mine", shared_names=("ExampleConnector",))
+            assert register_with_vllm([spec]) == ["kv_mine.Mine"]
+        finally:
+            logging.getLogger(registry.logger.name).removeHandler(caplog.handler)
+            factory_module.KVConnectorFactory._registry.pop("kv_mine.Mine", None)
+    assert re.search(r"'ExampleConnector'.*vLLM built-in.*example_connector.*'kv_mine\.Mine'", caplog.text)
     # vLLM's own mapping is untouched.
     assert "ExampleConnector" in factory_module.KVConnectorFactory._registry
 

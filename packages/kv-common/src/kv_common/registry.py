@@ -2,12 +2,23 @@
 
 This module is import-light on purpose: vLLM imports each package's ``vllm.general_plugins``
 entry point in every process (front-end, EngineCore, workers), so nothing heavy may load here.
+
+Names (the co-installation policy, README "Connector names"):
+
+- every connector class has a name of its own, ``<import package>.<ClassName>``
+  (``kv_mooncake.MooncakeConnectorV1``), that always selects ours;
+- the names users already have in their configs (vllm-ascend's ``MooncakeConnectorV1`` ...) are
+  *shared names*: registered when free, left alone (with one warning) when another package owns
+  them or is about to register them;
+- registering never raises because a name is taken: vLLM calls general plugins unguarded, so a
+  raise here (or in the other package's plugin, if we took its name first) stops vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
@@ -15,30 +26,59 @@ from importlib import metadata as importlib_metadata
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kv_common.connectors"
+VLLM_PLUGIN_GROUP = "vllm.general_plugins"
+# "0": register our own names only (the way out when a package we do not know registers a
+# shared name after us with vLLM's raising ``register_connector``).
+SHARED_NAMES_ENV = "KV_COMMON_SHARED_NAMES"
+
+# Other projects' general plugins that register some of our shared names with vLLM's raising
+# ``register_connector`` (top-level module of the plugin -> distribution, names). When such a
+# plugin will run in this process we leave those names to it whatever the load order: if we took
+# them first, *its* plugin would raise and vLLM would not start.
+# vllm-ascend: vllm_ascend/distributed/kv_transfer/__init__.py::register_connector.
+KNOWN_NAME_OWNERS: dict[str, tuple[str, frozenset[str]]] = {
+    "vllm_ascend": (
+        "vllm-ascend",
+        frozenset({"MooncakeConnectorV1", "MooncakeConnectorStoreV1", "AscendStoreConnector", "UCMConnector"}),
+    ),
+}
 
 
 class ConnectorRegistryError(RuntimeError):
-    """A connector name cannot be registered (owned by someone else, or a broken entry point)."""
+    """A connector entry point is broken or declares a name twice (discovery only; never raised
+    by ``register_with_vllm`` because a name is taken)."""
 
 
 @dataclass(frozen=True)
 class ConnectorSpec:
     """Where vLLM finds a connector class: resolved lazily, so only the chosen one is imported."""
 
-    name: str
+    name: str  # our own name, ``<import package>.<ClassName>``: always selects this class
     module: str
     class_name: str
     # The distribution that ships it; filled in by discovery, used by ``python -m kv_common list``.
     package: str = ""
     package_version: str = ""
+    # Names other projects use too (vllm-ascend's): registered only when free.
+    shared_names: tuple[str, ...] = ()
     # "module:function" that parses this connector's kv_connector_extra_config exactly as the
     # connector does at start-up, without vLLM: ``function(extra, connector_name) -> config``
     # (used by ``python -m kv_common doctor``; the module must be import-light).
     config_parser: str = ""
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.shared_names)
 
-# name -> spec that this process registered into vLLM's factory.
+    @property
+    def target(self) -> tuple[str, str]:
+        return (self.module, self.class_name)
+
+
+# name -> spec that this process registered into vLLM's factory (or found already registered).
 _registered: dict[str, ConnectorSpec] = {}
+# names already warned about in this process: one warning per name, however often plugins load.
+_warned: set[str] = set()
 
 
 def _specs_from_entry_point(ep: importlib_metadata.EntryPoint) -> list[ConnectorSpec]:
@@ -65,15 +105,16 @@ def discover_connectors() -> list[ConnectorSpec]:
     found: dict[str, ConnectorSpec] = {}
     for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
         for spec in _specs_from_entry_point(ep):
-            previous = found.get(spec.name)
-            if previous is not None and (previous.module, previous.class_name) != (spec.module, spec.class_name):
-                raise ConnectorRegistryError(
-                    f"connector name {spec.name!r} is declared twice: by {previous.package} "
-                    f"({previous.module}.{previous.class_name}) and by {spec.package} "
-                    f"({spec.module}.{spec.class_name})"
-                )
-            found[spec.name] = spec
-    return sorted(found.values(), key=lambda s: s.name)
+            for name in spec.names:
+                previous = found.get(name)
+                if previous is not None and previous.target != spec.target:
+                    raise ConnectorRegistryError(
+                        f"connector name {name!r} is declared twice: by {previous.package} "
+                        f"({previous.module}.{previous.class_name}) and by {spec.package} "
+                        f"({spec.module}.{spec.class_name})"
+                    )
+                found[name] = spec
+    return sorted({s.name: s for s in found.values()}.values(), key=lambda s: s.name)
 
 
 def _registered_target(loader: object) -> tuple[str, str] | None:
@@ -88,33 +129,140 @@ def _registered_target(loader: object) -> tuple[str, str] | None:
     return None
 
 
+def _plugin_allowed(name: str) -> bool:
+    """vLLM's own rule (``vllm.plugins.load_plugins_by_group``): VLLM_PLUGINS is an allowlist."""
+    allowed = os.environ.get("VLLM_PLUGINS")
+    return allowed is None or name in allowed.split(",")
+
+
+def shared_name_claims() -> dict[str, str]:
+    """shared name -> the installed package whose general plugin will register it in this process."""
+    claims: dict[str, str] = {}
+    for ep in importlib_metadata.entry_points(group=VLLM_PLUGIN_GROUP):
+        top = ep.value.split(":", 1)[0].split(".", 1)[0]
+        known = KNOWN_NAME_OWNERS.get(top)
+        if known is None or not _plugin_allowed(ep.name):
+            continue
+        package, names = known
+        for name in names:
+            claims.setdefault(name, f"{package} (general plugin {ep.name} = {ep.value})")
+    return claims
+
+
+def shared_names_enabled() -> bool:
+    return os.environ.get(SHARED_NAMES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def describe_owner(target: tuple[str, str] | None, spec: ConnectorSpec | None = None) -> str:
+    """Who a registry entry belongs to: ``ours``, ``vLLM built-in (...)``, ``<package> (...)``."""
+    if target is None:
+        return "unknown (loader not readable)"
+    if spec is not None and target == spec.target:
+        return "ours"
+    where = f"{target[0]}.{target[1]}"
+    top = target[0].split(".", 1)[0]
+    if top == "vllm":
+        return f"vLLM built-in ({where})"
+    known = KNOWN_NAME_OWNERS.get(top)
+    return f"{known[0]} ({where})" if known else where
+
+
+def _warn_once(name: str, message: str, *args: object, level: int = logging.WARNING) -> None:
+    if name in _warned:
+        return
+    _warned.add(name)
+    logger.log(level, message, *args)
+
+
 def register_with_vllm(specs: Iterable[ConnectorSpec] | None = None) -> list[str]:
     """Register connectors with vLLM's ``KVConnectorFactory``; the only function that touches it.
 
-    Idempotent: vLLM loads plugins in every process, sometimes twice. A name that vLLM already
-    maps to a different class raises ``ConnectorRegistryError``. Returns the names newly added.
+    Never raises because a name is taken (vLLM would not start). Idempotent: vLLM loads plugins
+    in every process, sometimes twice. Returns the names newly added.
     """
     from kv_common.vllm_compat import connector_factory
 
     factory = connector_factory()
     registry = factory._registry  # noqa: SLF001 - vLLM exposes no "is registered" query
+    use_shared = shared_names_enabled()
+    claims: dict[str, str] | None = None
     added = []
     for spec in discover_connectors() if specs is None else specs:
-        ours = _registered.get(spec.name)
-        if ours is not None and (ours.module, ours.class_name) == (spec.module, spec.class_name):
-            continue
-        if spec.name in registry:
-            target = _registered_target(registry[spec.name])
-            if target == (spec.module, spec.class_name):
-                _registered[spec.name] = spec
+        for name in spec.names:
+            shared = name != spec.name
+            if shared and not use_shared:
                 continue
-            owner = f"{target[0]}.{target[1]}" if target else "another class"
-            raise ConnectorRegistryError(
-                f"cannot register KV connector {spec.name!r} -> {spec.module}.{spec.class_name}: "
-                f"vLLM already maps that name to {owner}. Pick another name."
-            )
-        factory.register_connector(spec.name, spec.module, spec.class_name)
-        _registered[spec.name] = spec
-        added.append(spec.name)
-        logger.debug("registered KV connector %s -> %s.%s", spec.name, spec.module, spec.class_name)
+            ours = _registered.get(name)
+            if ours is not None and ours.target == spec.target and name in registry:
+                continue
+            if name in registry:
+                target = _registered_target(registry[name])
+                if target == spec.target:  # an earlier import of this module registered it
+                    _registered[name] = spec
+                    continue
+                owner = describe_owner(target)
+                if shared:
+                    _warn_once(
+                        name,
+                        "KV connector name %r is owned by %s; left to it. "
+                        "Select %s.%s with kv_connector=%r.",
+                        name, owner, spec.module, spec.class_name, spec.name,
+                    )
+                else:
+                    _warn_once(
+                        name,
+                        "KV connector name %r is already taken by %s: %s.%s cannot be selected by "
+                        "that name (a package uses our own name scheme <import package>.<Class>).",
+                        name, owner, spec.module, spec.class_name, level=logging.ERROR,
+                    )
+                continue
+            if shared:
+                if claims is None:
+                    claims = shared_name_claims()
+                claimant = claims.get(name)
+                if claimant is not None:
+                    _warn_once(
+                        name,
+                        "KV connector name %r is left to %s, which registers it too. "
+                        "Select %s.%s with kv_connector=%r.",
+                        name, claimant, spec.module, spec.class_name, spec.name,
+                    )
+                    continue
+            factory.register_connector(name, spec.module, spec.class_name)
+            _registered[name] = spec
+            added.append(name)
+            logger.debug("registered KV connector %s -> %s.%s", name, spec.module, spec.class_name)
     return added
+
+
+@dataclass(frozen=True)
+class NameOwner:
+    """One connector name and who answers to it in vLLM's factory (``python -m kv_common list``)."""
+
+    name: str
+    spec: ConnectorSpec
+    shared: bool
+    owner: str  # "ours", "vLLM built-in (...)", "<package> (...)", or "not registered: <why>"
+
+
+def name_owners(specs: Iterable[ConnectorSpec], registry: dict | None) -> list[NameOwner]:
+    """For each name of ``specs``: who owns it in ``registry`` (vLLM's ``KVConnectorFactory._registry``
+    after the general plugins ran), or, with ``registry=None`` (no vLLM), what registering would do."""
+    claims = shared_name_claims()
+    use_shared = shared_names_enabled()
+    out = []
+    for spec in specs:
+        for name in spec.names:
+            shared = name != spec.name
+            if registry is not None and name in registry:
+                owner = describe_owner(_registered_target(registry[name]), spec)
+            elif shared and not use_shared:
+                owner = f"not registered: {SHARED_NAMES_ENV}=0"
+            elif shared and name in claims:
+                owner = f"left to {claims[name]}"
+            elif registry is None:
+                owner = "not registered: vLLM not installed"
+            else:
+                owner = "not registered"
+            out.append(NameOwner(name, spec, shared, owner))
+    return out

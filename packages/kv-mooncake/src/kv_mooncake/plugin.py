@@ -2,7 +2,16 @@
 
 from kv_common.registry import ConnectorSpec, register_with_vllm
 
-SPECS = (ConnectorSpec("MooncakeConnectorV1", "kv_mooncake.connector", "MooncakeConnectorV1"),)
+SPECS = (
+    # Our own name always selects this connector; vllm-ascend's name is ours only while free.
+    ConnectorSpec(
+        "kv_mooncake.MooncakeConnectorV1",
+        "kv_mooncake.connector",
+        "MooncakeConnectorV1",
+        shared_names=("MooncakeConnectorV1",),
+        config_parser="kv_mooncake.config:parse_config",
+    ),
+)
 
 
 def register() -> None:

@@ -2,7 +2,14 @@
 
 from kv_common.registry import ConnectorSpec, register_with_vllm
 
-SPECS = (ConnectorSpec("UCMConnector", "kv_ucm.connector", "UCMConnector"),)
+SPECS = (
+    # Our own name always selects this connector; "UCMConnector" (vllm-ascend's and UCM's own class
+    # name) is ours only while free.
+    ConnectorSpec(
+        "kv_ucm.UCMConnector", "kv_ucm.connector", "UCMConnector", shared_names=("UCMConnector",),
+        config_parser="kv_ucm.config:parse_config",
+    ),
+)
 
 
 def register() -> None:
