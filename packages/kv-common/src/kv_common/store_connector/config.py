@@ -15,9 +15,20 @@ class StoreConnectorConfig(ConnectorConfig):
     # miss). "async": answer "ask again later" while the lookup runs, so the scheduler never waits.
     lookup_mode: Literal["sync", "async"] = "sync"
     lookup_timeout_s: float = 1.0
+    # Circuit breaker: after this many lookups in a row time out, stop asking the backend for
+    # lookup_backoff_s (every lookup is then a miss at once), then try one again. 0: no breaker.
+    lookup_breaker_threshold: int = 3
+    lookup_backoff_s: float = 30.0
     # Load (worker side). "sync": all blocks are in place before the forward. "layerwise": the
     # fetch runs in the background and each attention layer waits only for its own scatter.
     load_mode: Literal["sync", "layerwise"] = "sync"
+    # A load not done within load_timeout_s becomes a load error (vLLM recomputes); while the late
+    # fetch still runs, later loads fail at once. Loads then go through staging so that a late
+    # write never lands in the KV cache. 0: no deadline (zero-copy loads straight into the cache).
+    load_timeout_s: float = 10.0
+    # A save not done within save_timeout_s is given up: its request's blocks are released (vLLM
+    # frees them) and, while the backend stays stuck, new saves are skipped. 0: wait for ever.
+    save_timeout_s: float = 30.0
     # Save computed blocks (None: when kv_role is kv_producer or kv_both).
     save: bool | None = None
     # Load from the store (None: when kv_role is kv_consumer or kv_both).

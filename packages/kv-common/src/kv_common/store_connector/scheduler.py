@@ -17,7 +17,7 @@ from typing import Any
 from kv_common.backend import Backend
 from kv_common.store_connector import keys as keys_mod
 from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.lookup import external_tokens, leading_present, loadable_blocks
+from kv_common.store_connector.lookup import LookupBreaker, external_tokens, leading_present, loadable_blocks
 from kv_common.store_connector.metadata import BlockTransfer, StorePlan, StoreReport
 from kv_common.store_connector.stats import StoreStats
 
@@ -74,6 +74,7 @@ class StoreScheduler:
         self._held: set[str] = set()  # finished, blocks kept until the workers' saves complete
         self._events: deque[Any] = deque(maxlen=MAX_EVENTS)
         self._lookup_errors_logged = False
+        self._breaker = LookupBreaker(config.lookup_breaker_threshold, config.lookup_backoff_s, clock)
         # block hash -> (parent hash, token ids) of saves in flight, for BlockStored events
         self._block_tokens: dict[bytes, tuple[bytes | None, list[int]]] = {}
 
@@ -93,12 +94,22 @@ class StoreScheduler:
         try:
             result = lookup.future.result(timeout=max(wait_s, 0.0))
         except FutureTimeout:
-            if self._clock() < lookup.deadline:
+            if self._clock() < lookup.deadline and not self._breaker.is_open:
                 return False
             lookup.future.cancel()
-            self.stats.incr("lookup_timeouts")
-            logger.warning("store lookup exceeded %.3fs: counted as a miss", self.config.lookup_timeout_s)
             lookup.present = 0
+            if self._breaker.is_open:  # opened by another lookup meanwhile: do not wait out this one
+                return True
+            self.stats.incr("lookup_timeouts")
+            if self._breaker.record_timeout():
+                self.stats.incr("lookup_breaker_opened")
+                logger.warning(
+                    "store lookup timed out %d times in a row (%.3fs each): not asking the backend for %.0fs "
+                    "(every lookup is a miss meanwhile)", self._breaker.consecutive_timeouts,
+                    self.config.lookup_timeout_s, self.config.lookup_backoff_s,
+                )
+            else:
+                logger.warning("store lookup exceeded %.3fs: counted as a miss", self.config.lookup_timeout_s)
             return True
         except Exception as exc:  # noqa: BLE001 - a broken store is a miss, not a failed request
             self.stats.record_failure("lookup_error")
@@ -107,6 +118,7 @@ class StoreScheduler:
                 self._lookup_errors_logged = True
             lookup.present = 0
             return True
+        self._breaker.record_answer()
         lookup.present = leading_present(result)
         return True
 
@@ -121,6 +133,10 @@ class StoreScheduler:
         req_id = request.request_id
         lookup = self._lookups.get(req_id)
         if lookup is None or (lookup.first_block, lookup.num_blocks) != (first, num_blocks):
+            if not self._breaker.allow():
+                self._lookups.pop(req_id, None)
+                self.stats.incr("lookup_breaker_skips")
+                return 0, False
             deadline = self._clock() + self.config.lookup_timeout_s
             future = self._executor.submit(self._exists, hashes[first:num_blocks])
             lookup = self._lookups[req_id] = _Lookup(first, num_blocks, deadline, future)

@@ -18,6 +18,13 @@
 - Saves: queued in ``wait_for_save`` (the forward has written the blocks) and run by one background
   thread. A request with a save in flight is reported in ``finished_sending`` only when its saves
   are done; the scheduler side keeps its blocks alive until then.
+- Deadlines (a slow or hung backend never stalls the engine): a load not done within
+  ``load_timeout_s`` is a load error for all its blocks (vLLM recomputes them). The late fetch
+  keeps the load staging until it returns, and loads fail at once meanwhile; with a deadline loads
+  always go through staging, so a late write can never land in KV blocks vLLM has recomputed.
+  A save not done within ``save_timeout_s`` is given up: its request is reported finished (vLLM
+  frees its blocks), no later chunk of it is gathered, and new saves are skipped while the backend
+  stays stuck. Results of a late call touch neither the failure ledger nor the reports.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import torch
@@ -82,11 +90,20 @@ class _Staging:
 
 @dataclass
 class _Fetched:
-    """Blocks fetched into staging for one request, waiting to be scattered."""
+    """Blocks fetched into staging for one request, waiting to be scattered. Filled on the
+    loader thread; recorded (stats, failure ledger) only by the thread that waited for it."""
 
     transfer: BlockTransfer
     good: int  # blocks [0, good) verified in staging rows [row, row + good)
     row: int
+    why: str = ""  # why block ``good`` is not usable ("" when all are)
+    seconds: float = 0.0
+
+
+@dataclass
+class _SaveJob:
+    future: Future
+    submitted: float  # time.monotonic()
 
 
 def _chunks(n: int, size: int) -> list[tuple[int, int]]:
@@ -124,11 +141,21 @@ class StoreWorker:
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-save")
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-load")
         self._lock = threading.Lock()
-        self._pending_saves: dict[str, list[Future]] = defaultdict(list)
+        self._pending_saves: dict[str, list[_SaveJob]] = defaultdict(list)
+        # Saves given up after save_timeout_s: no later chunk of them is gathered (their blocks
+        # may belong to other requests by then). Held under _gather_lock while gathering.
+        self._gather_lock = threading.Lock()
+        self._released: dict[str, list[_SaveJob]] = {}
+        self._saving_since: float | None = None  # when the running save started
+        # A load that missed its deadline and still runs: it owns the load staging until done.
+        self._late_fetch: Future | None = None
         self._finished: set[str] = set()  # vLLM finished these; report once their saves are done
         self._report = StoreReport()
         # layer-wise loading state for the current step
         self._fetch: Future | None = None
+        self._fetch_deadline: float | None = None
+        self._fetch_plan: list[BlockTransfer] = []
+        self._fetched: list[_Fetched] | None = None
         self._scattered: set[int] = set()
         self._closed = False
         # Zero-copy parts path (see module docstring); decided for good in register_kv_caches.
@@ -235,14 +262,38 @@ class StoreWorker:
                 for transfer in plan.saves:
                     self._pending_saves.setdefault(transfer.request_id, [])
             return
-        for transfer in plan.saves:
-            future = self._saver.submit(self._save, transfer)
+        if self._saver_stalled():
+            blocks = sum(len(t.block_hashes) for t in plan.saves)
+            self.stats.record_failure("save_skipped_backend_stalled")
+            self.stats.incr("blocks_save_failed", blocks)
+            logger.warning("store save of %d block(s) skipped: the backend has not finished a save in %.0fs",
+                           blocks, self.config.save_timeout_s)
             with self._lock:
-                self._pending_saves[transfer.request_id].append(future)
+                for transfer in plan.saves:
+                    self._pending_saves.setdefault(transfer.request_id, [])
+            return
+        for transfer in plan.saves:
+            job = _SaveJob(self._saver.submit(self._save, transfer), time.monotonic())
+            with self._lock:
+                self._pending_saves[transfer.request_id].append(job)
+
+    def _saver_stalled(self) -> bool:
+        since = self._saving_since
+        timeout = self.config.save_timeout_s
+        return timeout > 0 and since is not None and time.monotonic() - since > timeout
 
     def _save(self, transfer: BlockTransfer) -> None:
+        self._saving_since = time.monotonic()
+        try:
+            self._save_blocks(transfer)
+        finally:
+            self._saving_since = None
+
+    def _save_blocks(self, transfer: BlockTransfer) -> None:
         staging = self._save_staging
         assert staging is not None
+        if transfer.request_id in self._released:
+            return
         keys = self._keys(transfer.block_hashes)
         try:
             present = self.backend.batch_exists(keys)
@@ -263,7 +314,10 @@ class StoreWorker:
                 block_ids=[[g[i] for i in idx] for g in transfer.block_ids],
             )
             n = len(idx)
-            self._gather(staging, sub, 0, n)
+            with self._gather_lock:
+                if transfer.request_id in self._released:
+                    return  # given up: its blocks may hold another request's KV by now
+                self._gather(staging, sub, 0, n)
             values = staging.values(n)
             for value in values:
                 codec.write_trailer(value, self.payload_size, self.config.checksum)
@@ -293,10 +347,13 @@ class StoreWorker:
         for lo, hi in _chunks(len(todo), slots):
             idx = todo[lo:hi]
             values = []
-            for slot, i in enumerate(idx):
-                parts = self._block_parts(transfer, i, trailers, slot)
-                codec.seal_parts(parts[:-1], parts[-1], self.config.checksum)
-                values.append(parts)
+            with self._gather_lock:
+                if transfer.request_id in self._released:
+                    return
+                for slot, i in enumerate(idx):
+                    parts = self._block_parts(transfer, i, trailers, slot)
+                    codec.seal_parts(parts[:-1], parts[-1], self.config.checksum)
+                    values.append(parts)
             t0 = time.perf_counter()
             try:
                 ok = self.backend.batch_put_parts([keys[i] for i in idx], values)  # type: ignore[attr-defined]
@@ -306,17 +363,41 @@ class StoreWorker:
             self._record_put([transfer.block_hashes[i] for i in idx], ok, time.perf_counter() - t0)
 
     def wait_for_request_saves(self, request_ids: Sequence[str]) -> None:
-        """Block until the saves of ``request_ids`` finished (their blocks are about to be reused)."""
+        """Block until the saves of ``request_ids`` finished (their blocks are about to be reused),
+        at most until each save's deadline; a save still running then is given up."""
+        timeout = self.config.save_timeout_s
         for req_id in request_ids:
             with self._lock:
-                futures = list(self._pending_saves.get(req_id, ()))
-            for future in futures:
-                future.exception()
+                jobs = list(self._pending_saves.get(req_id, ()))
+            for job in jobs:
+                try:
+                    job.future.exception(timeout=max(0.0, job.submitted + timeout - time.monotonic())
+                                         if timeout > 0 else None)
+                except FutureTimeout:
+                    self._release(req_id)
+                    break
+
+    def _release(self, req_id: str) -> None:
+        """Give up the saves of ``req_id``: none of its blocks is read after this returns."""
+        with self._gather_lock, self._lock:
+            jobs = self._pending_saves.pop(req_id, [])
+            self._released[req_id] = jobs
+            for job in jobs:
+                job.future.cancel()
+        self.stats.incr("save_timeouts")
+        self.stats.record_failure("save_timeout")
+        logger.warning("store save of %s not done within %.0fs: given up, its blocks are released",
+                       req_id, self.config.save_timeout_s)
+
+    def _overdue(self, jobs: Sequence[_SaveJob], now: float) -> bool:
+        timeout = self.config.save_timeout_s
+        return timeout > 0 and all(j.future.done() or now - j.submitted > timeout for j in jobs)
 
     # ---- loads ----------------------------------------------------------------------------
     def _fetch_into(self, plan_loads: Sequence[BlockTransfer], staging: _Staging) -> list[_Fetched]:
-        """Fetch and verify values into staging rows; records failures. Requests beyond the
-        staging capacity are fetched in later rounds by the caller."""
+        """Fetch and verify values into staging rows (may run on the loader thread: records
+        nothing, see ``_record_fetched``). Requests beyond the staging capacity are fetched in
+        later rounds by the caller."""
         out: list[_Fetched] = []
         row = 0
         for transfer in plan_loads:
@@ -330,41 +411,27 @@ class StoreWorker:
                 logger.warning("store get failed for %s: %s", transfer.request_id, exc)
                 results = [-1] * n
             seconds = time.perf_counter() - t0
-            good = self._settle_fetch(
-                transfer, results, seconds, lambda i, nbytes, values=values: codec.check_value(values[i], self.payload_size, nbytes)
+            good, why = _count_intact(
+                results, lambda i, nbytes, values=values: codec.check_value(values[i], self.payload_size, nbytes)
             )
-            out.append(_Fetched(transfer, good, row))
+            out.append(_Fetched(transfer, good, row, why, seconds))
             row += n
         return out
 
-    def _settle_fetch(
-        self,
-        transfer: BlockTransfer,
-        results: Sequence[int],
-        seconds: float,
-        check: Callable[[int, int], str | None],
-    ) -> int:
-        """Count the leading blocks that arrived intact (``check(i, nbytes)`` names a problem or
-        None); record stats, and report the first bad block and all after it for recompute."""
-        good, why = 0, ""
-        for i, nbytes in enumerate(results):
-            if nbytes < 0:
-                why = "miss"
-                break
-            problem = check(i, nbytes)
-            if problem is not None:
-                why = f"corrupt ({problem})"
-                break
-            good += 1
+    def _record_fetched(self, fetched: Sequence[_Fetched]) -> None:
+        for f in fetched:
+            self._record_get(f.transfer, f.good, f.why, f.seconds)
+
+    def _record_get(self, transfer: BlockTransfer, good: int, why: str, seconds: float) -> None:
+        """Stats for a fetch; the first bad block and all after it are reported for recompute."""
         self.stats.record_get(good * self.value_size, seconds)
         self.stats.incr("blocks_loaded", good)
         if good < len(transfer.block_hashes):
             self._fail(transfer, good, why)
-        return good
 
     def _fail(self, transfer: BlockTransfer, good: int, why: str) -> None:
         n = len(transfer.block_hashes)
-        kind = "miss" if why == "miss" else "corrupt"
+        kind = why if why in ("miss", "timeout") else "corrupt"
         self.stats.record_failure(kind)
         self.stats.incr("blocks_load_failed", n - good)
         logger.warning(
@@ -372,8 +439,45 @@ class StoreWorker:
             transfer.request_id, good, n, why, n - good,
         )
         self.ledger.record_failed_load(transfer.request_id, [g[good:] for g in transfer.block_ids])
-        with self._lock:
-            self._report.removed.append(transfer.block_hashes[good])
+        if kind != "timeout":  # a block that timed out may well be in the store
+            with self._lock:
+                self._report.removed.append(transfer.block_hashes[good])
+
+    def _fail_all(self, loads: Sequence[BlockTransfer], already: set[str], why: str) -> None:
+        for transfer in loads:
+            if transfer.request_id in already:
+                self.ledger.record_failed_load(transfer.request_id, transfer.block_ids)
+            else:
+                already.add(transfer.request_id)
+                self._fail(transfer, 0, why)
+
+    def _loader_busy(self) -> bool:
+        """True while a fetch that missed its deadline still runs (it owns the load staging)."""
+        late = self._late_fetch
+        if late is None:
+            return False
+        if late.done():
+            self._late_fetch = None
+            return False
+        return True
+
+    def _fetch_bounded(
+        self, loads: Sequence[BlockTransfer], staging: _Staging, deadline: float | None
+    ) -> list[_Fetched] | None:
+        """``_fetch_into`` within ``deadline``; None when it missed it (or a late one still runs)."""
+        if self._loader_busy():
+            self.stats.incr("loads_skipped_backend_stalled")
+            return None
+        if deadline is None:
+            return self._fetch_into(loads, staging)
+        future = self._loader.submit(self._fetch_into, list(loads), staging)
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            self._late_fetch = future
+            self.stats.incr("load_timeouts")
+            logger.warning("store load not done within %.1fs: its blocks are recomputed", self.config.load_timeout_s)
+            return None
 
     def _rounds(self, loads: Sequence[BlockTransfer], slots: int) -> list[list[BlockTransfer]]:
         """Group loads so each round fits the staging rows (splitting large requests)."""
@@ -409,16 +513,23 @@ class StoreWorker:
             logger.warning("store get failed for %s: %s", transfer.request_id, exc)
             results = [-1] * n
         seconds = time.perf_counter() - t0
-        return self._settle_fetch(
-            transfer, results, seconds, lambda i, nbytes: codec.check_parts(values[i][:-1], values[i][-1], nbytes)
+        good, why = _count_intact(
+            results, lambda i, nbytes: codec.check_parts(values[i][:-1], values[i][-1], nbytes)
         )
+        self._record_get(transfer, good, why, seconds)
+        return good
+
+    def _load_deadline(self) -> float | None:
+        timeout = self.config.load_timeout_s
+        return time.monotonic() + timeout if timeout > 0 else None
 
     def load_sync(self, plan: StorePlan) -> None:
         staging = self._load_staging
         if staging is None or not plan.loads:
             return
         failed: set[str] = set()
-        if self._parts:
+        deadline = self._load_deadline()
+        if self._parts and deadline is None:  # zero copy into the KV cache: only without a deadline
             assert self._load_trailers is not None
             for part in self._rounds(plan.loads, len(self._load_trailers) // codec.TRAILER_SIZE):
                 for transfer in part:
@@ -427,7 +538,8 @@ class StoreWorker:
                     elif self._load_parts(transfer) < len(transfer.block_hashes):
                         failed.add(transfer.request_id)
             return
-        for round_loads in self._rounds(plan.loads, staging.slots):
+        rounds = self._rounds(plan.loads, staging.slots)
+        for k, round_loads in enumerate(rounds):
             todo = []
             for part in round_loads:
                 if part.request_id in failed:
@@ -435,7 +547,12 @@ class StoreWorker:
                     self.ledger.record_failed_load(part.request_id, part.block_ids)
                 else:
                     todo.append(part)
-            for f in self._fetch_into(todo, staging):
+            fetched = self._fetch_bounded(todo, staging, deadline)
+            if fetched is None:
+                self._fail_all([p for r in rounds[k:] for p in r], failed, "timeout")
+                return
+            self._record_fetched(fetched)
+            for f in fetched:
                 for layer in self._layers:
                     self._scatter_layer(layer, staging, f.transfer, f.row, f.good)
                 if f.good < len(f.transfer.block_hashes):
@@ -449,8 +566,34 @@ class StoreWorker:
         if sum(len(t.block_hashes) for t in plan.loads) > staging.slots:
             return False
         self._scattered = set()
-        self._fetch = self._loader.submit(self._fetch_into, list(plan.loads), staging)
+        self._fetched = None
+        if self._loader_busy():
+            self.stats.incr("loads_skipped_backend_stalled")
+            self._fail_all(plan.loads, set(), "timeout")
+            return True
+        self._fetch_plan = list(plan.loads)
+        self._fetch_deadline = self._load_deadline()
+        self._fetch = self._loader.submit(self._fetch_into, self._fetch_plan, staging)
         return True
+
+    def _layerwise_result(self) -> list[_Fetched] | None:
+        """The background fetch, waited for once (within its deadline); None when it missed it."""
+        if self._fetched is None:
+            assert self._fetch is not None
+            deadline = self._fetch_deadline
+            try:
+                self._fetched = self._fetch.result(
+                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+                )
+            except FutureTimeout:
+                self._late_fetch, self._fetch = self._fetch, None
+                self.stats.incr("load_timeouts")
+                logger.warning("store load not done within %.1fs: its blocks are recomputed",
+                               self.config.load_timeout_s)
+                self._fail_all(self._fetch_plan, set(), "timeout")
+                return None
+            self._record_fetched(self._fetched)
+        return self._fetched
 
     def wait_layer(self, layer_name: str) -> None:
         if self._fetch is None:
@@ -458,7 +601,9 @@ class StoreWorker:
         index = self._layer_index.get(layer_name)
         if index is None or index in self._scattered:
             return
-        fetched = self._fetch.result()
+        fetched = self._layerwise_result()
+        if fetched is None:
+            return
         assert self._load_staging is not None
         for f in fetched:
             self._scatter_layer(self._layers[index], self._load_staging, f.transfer, f.row, f.good)
@@ -470,21 +615,36 @@ class StoreWorker:
         for layer in self._layers:
             self.wait_layer(layer.name)
         self._fetch = None
+        self._fetched = None
 
     # ---- per-step results -----------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         done: set[str] = set()
+        overdue: list[str] = []
+        now = time.monotonic()
         with self._lock:
             self._finished |= set(finished_req_ids)
             for req_id in list(self._finished):
-                futures = self._pending_saves.get(req_id)
-                if futures is None:
-                    self._finished.discard(req_id)  # never saved: the scheduler did not hold it
+                jobs = self._pending_saves.get(req_id)
+                if jobs is None:
+                    self._finished.discard(req_id)  # never saved (or given up): nothing held
+                    if req_id in self._released:
+                        done.add(req_id)
                     continue
-                if all(f.done() for f in futures):
+                if all(j.future.done() for j in jobs):
                     del self._pending_saves[req_id]
                     self._finished.discard(req_id)
                     done.add(req_id)
+                elif self._overdue(jobs, now):
+                    overdue.append(req_id)
+            for req_id, jobs in list(self._released.items()):  # forget given-up saves once over
+                if all(j.future.done() for j in jobs) and req_id not in self._finished:
+                    del self._released[req_id]
+        for req_id in overdue:
+            self._release(req_id)  # its blocks are freed by vLLM once reported here
+            with self._lock:
+                self._finished.discard(req_id)
+            done.add(req_id)
         return done
 
     def take_report(self) -> StoreReport | None:
@@ -494,7 +654,7 @@ class StoreWorker:
 
     def leak_report(self) -> dict[str, int]:
         with self._lock:
-            pending = sum(1 for fs in self._pending_saves.values() for f in fs if not f.done())
+            pending = sum(1 for js in self._pending_saves.values() for j in js if not j.future.done())
             held = len(self._pending_saves)
         return {
             "pending_saves": pending,
@@ -508,7 +668,7 @@ class StoreWorker:
         self._closed = True
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            futures = [f for fs in self._pending_saves.values() for f in fs]
+            futures = [j.future for js in self._pending_saves.values() for j in js]
         for future in futures:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -524,3 +684,17 @@ class StoreWorker:
             if staging is not None:
                 staging.close()
         self._unregister_parts()
+
+
+def _count_intact(results: Sequence[int], check: Callable[[int, int], str | None]) -> tuple[int, str]:
+    """Leading blocks that arrived intact (``check(i, nbytes)`` names a problem or None), and why
+    the next one is not ("" when all are)."""
+    good = 0
+    for i, nbytes in enumerate(results):
+        if nbytes < 0:
+            return good, "miss"
+        problem = check(i, nbytes)
+        if problem is not None:
+            return good, f"corrupt ({problem})"
+        good += 1
+    return good, ""

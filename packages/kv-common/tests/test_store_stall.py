@@ -1,0 +1,310 @@
+"""A slow or hung backend never stalls the engine (issue 15 §1).
+
+``BlockingBackend`` is a real ``EmbeddedBackend`` whose operations can be made to hang until the
+test lets them go (no hardware is faked: it is the embedded store with a gate in front). Every test
+bounds the time the engine-side call takes and checks that no late result of the hung call leaks
+into the KV cache, the failure ledger or the store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kv_common.embedded_backend import EmbeddedBackend
+from kv_common.store_connector.config import StoreConnectorConfig
+from kv_common.store_connector.metadata import BlockTransfer, StorePlan
+from kv_common.store_connector.scheduler import StoreScheduler
+from kv_common.store_connector.worker import StoreWorker
+from test_store_scheduler_worker import BS, FakeBlocks, FakeRequest, new_req_output
+
+HANG_S = 30.0  # a hung call waits at most this long for the test to let it go
+
+
+class BlockingBackend(EmbeddedBackend):
+    """The embedded store; ``hold(op)`` makes every later call of ``op`` ("exists", "put", "get")
+    hang until ``release(op)``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._gates: dict[str, threading.Event] = {}
+        self.entered: dict[str, int] = {"exists": 0, "put": 0, "get": 0}
+
+    def hold(self, op: str) -> None:
+        self._gates[op] = threading.Event()
+
+    def release(self, op: str) -> None:
+        gate = self._gates.pop(op, None)
+        if gate is not None:
+            gate.set()
+
+    def release_all(self) -> None:
+        for op in list(self._gates):
+            self.release(op)
+
+    def _gate(self, op: str) -> None:
+        self.entered[op] += 1
+        gate = self._gates.get(op)
+        if gate is not None:
+            gate.wait(HANG_S)
+
+    def batch_exists(self, keys):
+        self._gate("exists")
+        return super().batch_exists(keys)
+
+    def batch_put(self, keys, values):
+        self._gate("put")
+        return super().batch_put(keys, values)
+
+    def batch_get_into(self, keys, buffers):
+        self._gate("get")
+        return super().batch_get_into(keys, buffers)
+
+
+class BlockingPartsBackend(BlockingBackend):
+    """With the worker's zero-copy parts protocol (as kv-store's embedded and Mooncake backends)."""
+
+    def batch_put_parts(self, keys, parts):
+        return self.batch_put(keys, [b"".join(p) for p in parts])
+
+    def batch_get_parts(self, keys, parts):
+        self._gate("get")
+        out = []
+        for value, bufs in zip(super().batch_get(keys), parts, strict=True):
+            total = sum(len(b) for b in bufs)
+            if value is None or len(value) != total:
+                out.append(-1)
+                continue
+            src, offset = memoryview(value), 0
+            for buf in bufs:
+                buf[:] = src[offset : offset + len(buf)]
+                offset += len(buf)
+            out.append(total)
+        return out
+
+
+@pytest.fixture(params=[BlockingBackend, BlockingPartsBackend], ids=["staging", "parts"])
+def backend(request):
+    b = request.param(16 << 20)
+    yield b
+    b.release_all()
+
+
+def timed(fn: Callable[[], object], limit_s: float) -> float:
+    """Run ``fn`` on a thread; fail (instead of hanging the test run) when it takes over ``limit_s``."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            box["exc"] = exc
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    took = time.monotonic() - t0
+    assert not thread.is_alive(), f"still blocked after {limit_s:.1f}s: a hung backend stalls the engine"
+    if "exc" in box:
+        raise box["exc"]  # type: ignore[misc]
+    return took
+
+
+def make_worker(backend, num_blocks=16, **cfg):
+    torch.manual_seed(0)
+    caches = {f"layer{i}": torch.randn(num_blocks, 2, BS, 8) for i in range(2)}
+    worker = StoreWorker(backend=backend, namespace="ns", rank_tag="r0",
+                         config=StoreConnectorConfig(staging_bytes=1 << 16, **cfg))
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def transfer(req_id: str, hashes: list[bytes], ids: list[int]) -> BlockTransfer:
+    return BlockTransfer(request_id=req_id, block_hashes=hashes, block_ids=[ids])
+
+
+HASHES = [bytes([i]) * 32 for i in range(1, 5)]
+
+
+def saved_worker(backend, **cfg):
+    """A worker whose blocks 1-4 are in the store (saved with the backend still answering)."""
+    worker, caches = make_worker(backend, **cfg)
+    worker.submit_saves(StorePlan(saves=[transfer("w", HASHES, [1, 2, 3, 4])]))
+    worker.wait_for_request_saves(["w"])
+    assert backend.batch_exists(worker._keys(HASHES)) == [True] * 4
+    return worker, caches
+
+
+# ---- lookups ---------------------------------------------------------------------------------
+
+def test_lookup_breaker_stops_waiting_on_a_hung_backend():
+    """Sync lookups wait lookup_timeout_s each; after 3 timeouts in a row the breaker opens and
+    every later request is a miss at once (counted), until the back-off ends and a probe answers."""
+    backend = BlockingBackend(16 << 20)
+    offset = [0.0]
+    sched = StoreScheduler(
+        backend=backend, namespace="ns", rank_tags=["r0"], block_size=BS,
+        config=StoreConnectorConfig(lookup_timeout_s=0.2), load_enabled=True, save_enabled=True,
+        clock=lambda: time.monotonic() + offset[0],
+    )
+    backend.hold("exists")
+    requests = [FakeRequest(f"r{i}", list(range(i, i + 18))) for i in range(10)]
+    answers = []
+    took = timed(lambda: answers.extend(sched.get_num_new_matched_tokens(r, 0) for r in requests), 10.0)
+    assert answers == [(0, False)] * 10
+    # 3 lookups wait 0.2 s each, the 7 after them none: well under the 2 s of 10 timeouts.
+    assert took < 1.5, took
+    counters = sched.stats.reduce()
+    assert counters.get("lookup_timeouts") == 3, counters
+    assert counters.get("lookup_breaker_opened") == 1, counters
+    assert counters.get("lookup_breaker_skips") == 7, counters
+    for r in requests:
+        sched.update_state_after_alloc(r, FakeBlocks([]), 0)
+    # The backend recovers; once the back-off is over a probe goes through and closes the breaker.
+    backend.release("exists")
+    offset[0] += StoreConnectorConfig().lookup_backoff_s + 1
+    probe = FakeRequest("probe", list(range(100, 118)))
+    assert sched.get_num_new_matched_tokens(probe, 0) == (0, False)
+    assert backend.entered["exists"] == 2  # the hung call (the 2 queued behind it were cancelled), the probe
+    assert sched.stats.reduce().get("lookup_breaker_skips") == 7
+    sched.update_state_after_alloc(probe, FakeBlocks([]), 0)
+    assert sched.leak_report()["pending_loads"] == 0
+    sched.close()
+
+
+def test_async_lookups_pending_on_a_hung_backend_end_when_the_breaker_opens():
+    backend = BlockingBackend(16 << 20)
+    sched = StoreScheduler(
+        backend=backend, namespace="ns", rank_tags=["r0"], block_size=BS,
+        config=StoreConnectorConfig(lookup_mode="async", lookup_timeout_s=0.1, lookup_breaker_threshold=2),
+        load_enabled=True, save_enabled=True,
+    )
+    backend.hold("exists")
+    reqs = [FakeRequest(f"a{i}", list(range(i, i + 18))) for i in range(4)]
+    assert [sched.get_num_new_matched_tokens(r, 0) for r in reqs] == [(None, False)] * 4
+    time.sleep(0.15)
+    # all four are past their deadline: two time out (opening the breaker), the rest are misses now
+    assert [sched.get_num_new_matched_tokens(r, 0) for r in reqs] == [(0, False)] * 4
+    assert sched.stats.reduce().get("lookup_breaker_opened") == 1
+    backend.release_all()
+    sched.close()
+
+
+# ---- loads -----------------------------------------------------------------------------------
+
+def test_hung_load_becomes_a_load_error_within_its_deadline(backend):
+    worker, caches = saved_worker(backend, load_timeout_s=0.3)
+    before = {name: c[9:13].clone() for name, c in caches.items()}
+    backend.hold("get")
+    plan = StorePlan(loads=[transfer("x", HASHES, [9, 10, 11, 12])])
+    took = timed(lambda: worker.load_sync(plan), 5.0)
+    assert 0.25 <= took < 2.0, took
+    assert worker.ledger.take_block_ids_with_load_errors() == {9, 10, 11, 12}
+    # While the late fetch still hangs, the next load fails at once instead of queueing behind it.
+    took = timed(lambda: worker.load_sync(StorePlan(loads=[transfer("y", HASHES[:2], [13, 14])])), 5.0)
+    assert took < 0.2, took
+    assert worker.ledger.take_block_ids_with_load_errors() == {13, 14}
+    counters = worker.stats.reduce()
+    assert counters["load_timeouts"] == 1 and counters["loads_skipped_backend_stalled"] == 1, counters
+    # The late fetch returns: nothing of it lands in the KV cache vLLM recomputes, nor in the ledger.
+    backend.release("get")
+    deadline = time.monotonic() + 5
+    while worker._loader_busy() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for name, c in caches.items():
+        assert torch.equal(c[9:13], before[name]), f"{name}: a late fetch wrote into the KV cache"
+    assert worker.ledger.take_block_ids_with_load_errors() == set()
+    # The backend answers again: loads work again.
+    worker.load_sync(StorePlan(loads=[transfer("z", HASHES, [9, 10, 11, 12])]))
+    assert worker.ledger.take_block_ids_with_load_errors() == set()
+    for c in caches.values():
+        assert torch.equal(c[9:13], c[1:5])
+    worker.close(1)
+
+
+def test_hung_layerwise_load_becomes_a_load_error_within_its_deadline(backend):
+    worker, caches = saved_worker(backend, load_timeout_s=0.3, load_mode="layerwise")
+    backend.hold("get")
+    assert worker.start_layerwise(StorePlan(loads=[transfer("x", HASHES, [9, 10, 11, 12])]))
+
+    def forward():
+        for name in caches:
+            worker.wait_layer(name)
+        worker.finish_layerwise()
+
+    took = timed(forward, 5.0)
+    assert took < 2.0, took
+    assert worker.ledger.take_block_ids_with_load_errors() == {9, 10, 11, 12}
+    backend.release("get")
+    worker.close(1)
+
+
+# ---- saves -----------------------------------------------------------------------------------
+
+def test_hung_save_releases_its_request_and_later_saves_are_skipped(backend):
+    worker, caches = make_worker(backend, save_timeout_s=0.3)
+    backend.hold("put")
+    worker.submit_saves(StorePlan(saves=[transfer("s", HASHES[:2], [1, 2])]))
+    worker.submit_saves(StorePlan(saves=[transfer("s", HASHES[2:], [3, 4])]))  # queued behind it
+    assert worker.get_finished({"s"}) == set()
+    done: set[str] = set()
+
+    def finish():
+        deadline = time.monotonic() + 3
+        while "s" not in done and time.monotonic() < deadline:
+            done.update(worker.get_finished(set()))
+            time.sleep(0.02)
+
+    took = timed(finish, 5.0)
+    assert done == {"s"}, "a finished request waits for ever on a hung save: its blocks are never freed"
+    assert took < 2.0
+    # Preemption waits at most until the save deadline, too.
+    worker.submit_saves(StorePlan(saves=[transfer("p", [bytes([9]) * 32], [5])]))
+    # (skipped: the saver has been stuck for longer than save_timeout_s)
+    assert worker.stats.reduce().get("failures_save_skipped_backend_stalled") == 1
+    assert timed(lambda: worker.wait_for_request_saves(["p"]), 5.0) < 1.0
+    # vLLM reuses the released blocks; when the backend comes back, the queued chunk of "s" must
+    # not be gathered from them.
+    for c in caches.values():
+        c[1:5] = 0
+    backend.release("put")
+    time.sleep(0.3)
+    assert backend.batch_exists(worker._keys(HASHES[2:])) == [False, False]
+    assert worker.get_finished({"p"}) == {"p"}  # vLLM finishes the preempted request later
+    assert worker.leak_report()["held_requests"] == 0
+    worker.close(1)
+
+
+def test_saves_of_a_healthy_backend_are_not_given_up(backend):
+    worker, _ = make_worker(backend, save_timeout_s=0.3)
+    worker.submit_saves(StorePlan(saves=[transfer("s", HASHES, [1, 2, 3, 4])]))
+    worker.wait_for_request_saves(["s"])
+    assert worker.get_finished({"s"}) == {"s"}
+    assert backend.batch_exists(worker._keys(HASHES)) == [True] * 4
+    assert "save_timeouts" not in worker.stats.reduce()
+    worker.close(1)
+
+
+def test_scheduler_plan_after_breaker_skip_schedules_no_load():
+    """A request answered "miss" by the open breaker gets no load and still saves its blocks."""
+    backend = BlockingBackend(16 << 20)
+    sched = StoreScheduler(
+        backend=backend, namespace="ns", rank_tags=["r0"], block_size=BS,
+        config=StoreConnectorConfig(lookup_timeout_s=0.05, lookup_breaker_threshold=1),
+        load_enabled=True, save_enabled=True,
+    )
+    backend.hold("exists")
+    first, second = FakeRequest("f", list(range(18))), FakeRequest("g", list(range(18)))
+    assert sched.get_num_new_matched_tokens(first, 0) == (0, False)  # times out, opens the breaker
+    assert sched.get_num_new_matched_tokens(second, 0) == (0, False)  # skipped
+    sched.update_state_after_alloc(second, FakeBlocks([1, 2, 3, 4, 5]), 0)
+    plan = sched.build_plan(new_req_output(second, [1, 2, 3, 4, 5], 0, 18))
+    assert not plan.loads and [len(s.block_hashes) for s in plan.saves] == [4]
+    backend.release_all()
+    sched.close()
