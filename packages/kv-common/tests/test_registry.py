@@ -217,7 +217,7 @@ def test_name_owners_reports_each_owner(fake_factory, monkeypatch):
     # Without vLLM: what registering would do.
     use_entry_points(monkeypatch, [], [FakeAscendPlugin(fake_factory)])
     owners = {o.name: o.owner for o in registry.name_owners([MOONCAKE], None)}
-    assert owners["kv_mooncake.MooncakeConnectorV1"] == "not registered: vLLM not installed"
+    assert owners["kv_mooncake.MooncakeConnectorV1"] == "would be ours (free)"
     assert owners["MooncakeConnectorV1"].startswith("left to vllm-ascend")
 
 

@@ -1,27 +1,65 @@
-"""``python -m kv_common list``: the installed kv-* connectors and their package versions."""
+"""``python -m kv_common list``: the installed kv-* connectors, their names and who owns each name."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from kv_common.registry import discover_connectors
+from kv_common.registry import discover_connectors, name_owners
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kv_common")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list installed connectors")
+    list_parser = sub.add_parser("list", help="list installed connectors and who owns each name in vLLM")
+    list_parser.add_argument(
+        "--no-vllm", action="store_true", help="do not import vLLM: show what registering would do"
+    )
     args = parser.parse_args(argv)
     if args.command == "list":
-        specs = discover_connectors()
-        if not specs:
-            print("no kv-* connectors installed")
-            return 0
-        width = max(len(s.name) for s in specs)
-        for s in specs:
-            print(f"{s.name:<{width}}  {s.package} {s.package_version}  ({s.module}.{s.class_name})")
+        return list_connectors(no_vllm=args.no_vllm)
     return 0
+
+
+def _vllm_registry(no_vllm: bool) -> tuple[dict | None, str, bool]:
+    """(vLLM's connector registry after the general plugins ran, a heading, plugins ok)."""
+    if no_vllm:
+        return None, "vLLM not imported (--no-vllm): what registering would do", True
+    from kv_common import vllm_compat
+
+    try:
+        factory = vllm_compat.connector_factory()
+    except vllm_compat.VllmNotInstalledError:
+        return None, "vLLM not installed: what registering would do", True
+    heading = f"vLLM {vllm_compat.vllm_version()}: owners after vLLM's general plugins ran"
+    try:
+        vllm_compat.load_general_plugins()
+    except Exception as exc:  # noqa: BLE001 - report it: this is what would stop vLLM starting
+        print(f"vLLM's general plugins failed, vLLM would not start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return factory._registry, heading, False  # noqa: SLF001
+    return factory._registry, heading, True  # noqa: SLF001
+
+
+def list_connectors(no_vllm: bool = False) -> int:
+    specs = discover_connectors()
+    if not specs:
+        print("no kv-* connectors installed")
+        return 0
+    registry, heading, plugins_ok = _vllm_registry(no_vllm)
+    rows = [
+        (o.name + (" (shared)" if o.shared else ""), f"{o.spec.package} {o.spec.package_version}".strip(), o.owner)
+        for o in name_owners(specs, registry)
+    ]
+    print(heading)
+    header = ("name", "package", "owner")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(2)]
+    for r in [header, *rows]:
+        print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}")
+    print(
+        "Own names (<import package>.<Class>) always select ours; shared names are vllm-ascend's and ours\n"
+        "only while free. KVCommonProbeConnector is test code: registered with KV_COMMON_ENABLE_PROBE=1."
+    )
+    return 0 if plugins_ok else 1
 
 
 if __name__ == "__main__":

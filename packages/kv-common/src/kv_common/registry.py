@@ -261,7 +261,7 @@ def name_owners(specs: Iterable[ConnectorSpec], registry: dict | None) -> list[N
             elif shared and name in claims:
                 owner = f"left to {claims[name]}"
             elif registry is None:
-                owner = "not registered: vLLM not installed"
+                owner = "would be ours (free)"
             else:
                 owner = "not registered"
             out.append(NameOwner(name, spec, shared, owner))

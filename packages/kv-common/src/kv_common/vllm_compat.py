@@ -30,6 +30,11 @@ def connector_factory() -> Any:
     return _import("vllm.distributed.kv_transfer.kv_connector.factory").KVConnectorFactory
 
 
+def load_general_plugins() -> None:
+    """Run vLLM's ``vllm.general_plugins`` as a vLLM process does at start (once per process)."""
+    _import("vllm.plugins").load_general_plugins()
+
+
 def base_module() -> Any:
     """``KVConnectorBase_V1``, ``KVConnectorRole``, ``KVConnectorMetadata`` ... live here."""
     return _import(f"{_KV_V1}.base")
