@@ -11,13 +11,14 @@ deadline; a failure marks the request's blocks (all groups) as load errors so vL
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -29,11 +30,13 @@ from kv_common.stats import TransferStatsBase
 from kv_mooncake import protocol as P
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
+from kv_mooncake.peer_health import PeerBreaker, PeerQueues
 from kv_mooncake.pull_plan import (
     DecodeLayout,
     DecodeRank,
     PrefillLayout,
     PrefillRank,
+    RankPull,
     plan_pulls,
     readers_per_prefill_rank,
     request_seed,
@@ -46,6 +49,31 @@ _RECENT = 4096  # remembered freed / early-signalled requests (bounded)
 
 class PullFailed(RuntimeError):
     pass
+
+
+class PeerDown(PullFailed):
+    """The prefill rank is presumed down: failed without waiting for it."""
+
+
+PULL_BATCH_BLOCKS = 16  # blocks per TE read batch: the granularity of a partial pull's report
+
+
+@dataclass(eq=False)
+class _PullJob:
+    """One request's pull on this decode rank, over all the prefill ranks it reads from."""
+
+    req: PullRequest
+    prefill: PrefillLayout
+    start: float
+    deadline: float = 0.0
+    counts: dict[PrefillRank, int] = field(default_factory=dict)
+    pulls: list[RankPull] = field(default_factory=list)
+    remaining: int = 0
+    nbytes: int = 0
+    errors: list[Exception] = field(default_factory=list)
+    failed_ranks: set[PrefillRank] = field(default_factory=set)
+    unread: set[int] = field(default_factory=set)  # local block positions not read
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -151,9 +179,9 @@ class MooncakeWorker:
         self.compatibility: P.Compatibility | None = None
         self.te: Any = None
         self.server: side_channel.SideChannelServer | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._queues: PeerQueues | None = None  # decode: one pull queue per prefill rank
         self._notifier: ThreadPoolExecutor | None = None  # DONE / FreeNow delivery, off the pull threads
-        self._unreachable: dict[str, float] = {}  # prefill address -> until when it is presumed dead
+        self._breaker = PeerBreaker()  # decode: prefill ranks presumed down fail fast
         # Kept-open connections to the prefill ranks: a new one per message cost ~5 ms per pull.
         self._client = side_channel.SideChannelClient(P.REPLY_TYPES, config.max_message_bytes)
         self._closed = False
@@ -201,7 +229,7 @@ class MooncakeWorker:
             logger.info("MooncakeConnectorV1 %s rank: side channel %s, TE %s",
                         "prefill" if self.is_producer else "decode", self.server.address, self.te.rpc_address)
         if self.is_consumer:
-            self._pool = ThreadPoolExecutor(self.config.num_pull_threads, thread_name_prefix="mooncake-pull")
+            self._queues = PeerQueues(self.config.num_pull_threads, name="mooncake-pull")
             self._notifier = ThreadPoolExecutor(2, thread_name_prefix="mooncake-done")
 
     # ---- per step ----------------------------------------------------------------------------
@@ -214,18 +242,12 @@ class MooncakeWorker:
         for source in step.frees:
             if self._notifier is not None:
                 self._notifier.submit(self._tell_free, source)
-            else:
-                self._submit(self._tell_free, source)
+            else:  # kv_producer only: still answer the protocol, inline
+                self._tell_free(source)
         for pull in step.pulls:
             with self._lock:
                 self._pending_pulls.add(pull.request_id)
-            self._submit(self._pull, pull)
-
-    def _submit(self, fn: Callable, arg: Any) -> None:
-        if self._pool is None:  # kv_producer only: still answer the protocol, inline
-            fn(arg)
-        else:
-            self._pool.submit(fn, arg)
+            self._pull(pull)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         self.tracker.expire()
@@ -390,7 +412,8 @@ class MooncakeWorker:
             return cached
         assert self.compatibility is not None
         msg = P.Handshake(engine_id=engine_id, compatibility=self.compatibility, reader_id=self.reader_id)
-        reply = self._until(deadline, lambda left: self._request(address, msg, min(left, self.config.handshake_timeout_s)))
+        reply = self._until(deadline, address,
+                            lambda left: self._request(address, msg, min(left, self.config.handshake_timeout_s)))
         if not isinstance(reply, P.HandshakeReply):
             raise PullFailed(f"handshake with {address} failed: {getattr(reply, 'reason', reply)}")
         if reply.heads_on_rank < 1 or len(reply.layer_names) != len(reply.base_addresses) or \
@@ -399,10 +422,14 @@ class MooncakeWorker:
         self._handshakes[key] = reply
         return reply
 
-    def _until(self, deadline: float, call: Callable[[float], msgspec.Struct]) -> msgspec.Struct:
-        """Repeat ``call`` while the peer answers Refused(retry=True) or not at all, until the deadline."""
+    def _until(self, deadline: float, address: str, call: Callable[[float], msgspec.Struct]) -> msgspec.Struct:
+        """Repeat ``call`` while the peer answers Refused(retry=True) or not at all, until the deadline.
+        A peer silent until the deadline is presumed down (``PeerBreaker``); a pull waiting on a peer
+        that another pull found down gives up at once."""
         delay = 0.005
         while True:
+            if self._breaker.is_open(address):
+                raise PeerDown(f"{address} presumed down (silent for a whole pull); it is probed again later")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PullFailed("deadline passed")
@@ -412,8 +439,10 @@ class MooncakeWorker:
                 # A busy prefill (its side-channel thread starved on a shared core) gets until the
                 # pull's deadline, not just one request's timeout; the request is idempotent.
                 if deadline - time.monotonic() <= 0:
+                    self._breaker.silent(address)
                     raise
                 continue
+            self._breaker.answered(address)
             if not (isinstance(reply, P.Refused) and reply.retry):
                 return reply
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
@@ -424,7 +453,94 @@ class MooncakeWorker:
                              pcp_size=source.pcp_size, dcp_size=source.dcp_size, use_mla=self.use_mla)
 
     def _pull(self, req: PullRequest) -> None:
-        owed = self._pull_and_report(req)
+        """Plan the request's pulls (on the engine's thread: pure arithmetic), then read from every
+        prefill rank in parallel, each on that rank's own queue; the last rank to finish reports."""
+        job = _PullJob(req=req, prefill=self._layouts(req.source), start=time.monotonic())
+        job.deadline = job.start + self.config.pull_timeout_s
+        seed = request_seed(req.source.request_id)
+        try:
+            job.counts = readers_per_prefill_rank(job.prefill, self.decode_layout, req.num_blocks, req.skip_blocks, seed)
+            job.pulls = plan_pulls(job.prefill, self.decode_layout, self.decode_rank, req.num_blocks,
+                                   req.skip_blocks, seed)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
+            job.errors.append(exc)
+            job.unread.update(range(max(0, req.skip_blocks), req.num_blocks))
+            self._finish(job)
+            return
+        job.remaining = len(job.pulls)
+        if not job.pulls:
+            self._finish(job)
+            return
+        for pull in job.pulls:
+            address = self._peer_address(req.source, pull.source, job.prefill)
+            if self._queues is None:  # kv_producer only: still answer the protocol, inline
+                self._pull_rank(job, pull, address)
+                continue
+            try:
+                self._queues.submit(address, self._pull_rank, job, pull, address)
+            except RuntimeError as exc:  # shutting down
+                self._rank_done(job, pull, 0, set(), exc)
+
+    def _pull_rank(self, job: _PullJob, pull: RankPull, address: str) -> None:
+        read: set[int] = set()  # local block positions fully read from this rank
+        nbytes, error = 0, None
+        try:
+            if not self._breaker.allow(address):
+                raise PeerDown(f"{address} presumed down (silent for a whole pull); it is probed again later")
+            nbytes = self._pull_from_rank(job, pull, address, read)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
+            error = exc
+        self._rank_done(job, pull, nbytes, read, error)
+
+    def _rank_done(self, job: _PullJob, pull: RankPull, nbytes: int, read: set[int], error: Exception | None) -> None:
+        with job.lock:
+            job.nbytes += nbytes
+            if error is not None:
+                job.errors.append(error)
+                job.failed_ranks.add(pull.source)
+                job.unread.update(dst for _, dst in pull.blocks if dst not in read)
+            job.remaining -= 1
+            last = job.remaining == 0
+        if last:
+            self._finish(job)
+
+    def _finish(self, job: _PullJob) -> None:
+        """Report the request finished (its unread blocks as load errors) to vLLM at once, then send
+        the DONE / FreeNow messages owed to the prefill ranks: the blocks are already read, so the
+        decode request need not wait for the prefill's ack."""
+        req, source = job.req, job.req.source
+        if not job.errors:
+            self.stats.record_transfer(job.nbytes, time.monotonic() - job.start)
+        else:
+            error = job.errors[0]
+            logger.warning("MooncakeConnectorV1: pull of request %s (remote %s) failed after %.2fs: %s "
+                           "(%d of %d blocks not read)", req.request_id, source.request_id,
+                           time.monotonic() - job.start, error, len(job.unread), req.num_blocks - req.skip_blocks)
+            self.stats.record_failure("timeout" if "deadline" in str(error) else "pull")
+            # Only what was not read: vLLM recomputes from the first failed block on.
+            unread = sorted(job.unread)
+            self.ledger.record_failed_load(req.request_id, [[g[p] for p in unread if p < len(g)]
+                                                            for g in req.local_block_ids])
+            self._handshakes = {k: v for k, v in self._handshakes.items() if k[1] != source.engine_id}
+        # Always DONE, also after a failure: the prefill must not wait for us until expiry.
+        owed: list[tuple[str, msgspec.Struct]] = []
+        if not job.counts:
+            # No plan: nobody will read any rank. Every decode rank that gets here says so (FreeNow is
+            # idempotent), so the prefill frees now even if decode rank 0 is gone.
+            for rank in job.prefill.ranks():
+                owed.append((self._peer_address(source, rank, job.prefill),
+                             P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
+        for rank, n in job.counts.items():
+            if n == 0 and self.decode_rank == DecodeRank(0):  # one decode rank tells the idle ranks
+                owed.append((self._peer_address(source, rank, job.prefill),
+                             P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
+        for pull in job.pulls:
+            owed.append((self._peer_address(source, pull.source, job.prefill),
+                         P.PullDone(request_id=source.request_id, reader_id=self.reader_id,
+                                    ok=pull.source not in job.failed_ranks, expected_readers=job.counts[pull.source])))
+        with self._lock:
+            self._pending_pulls.discard(req.request_id)
+            self._finished_recving.add(req.request_id)
         if not owed:
             return
         if self._notifier is None:
@@ -435,56 +551,6 @@ class MooncakeWorker:
             except RuntimeError:  # shutting down
                 self._send_done(owed)
 
-    def _pull_and_report(self, req: PullRequest) -> list[tuple[str, msgspec.Struct]]:
-        """Pull, then report the request finished (or its blocks failed) to vLLM at once; returns
-        the DONE / FreeNow messages still owed to the prefill ranks. They go out after the report:
-        the blocks are already read, so the decode request need not wait for the prefill's ack."""
-        start = time.monotonic()
-        deadline = start + self.config.pull_timeout_s
-        source = req.source
-        nbytes, error = 0, None
-        prefill = self._layouts(source)
-        seed = request_seed(source.request_id)
-        counts: dict[PrefillRank, int] = {}
-        pulls: list[Any] = []
-        try:
-            counts = readers_per_prefill_rank(prefill, self.decode_layout, req.num_blocks, req.skip_blocks, seed)
-            pulls = plan_pulls(prefill, self.decode_layout, self.decode_rank, req.num_blocks, req.skip_blocks, seed)
-            for pull in pulls:
-                nbytes += self._pull_from_rank(req, pull, prefill, counts[pull.source], deadline)
-        except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
-            error = exc
-        if error is None:
-            self.stats.record_transfer(nbytes, time.monotonic() - start)
-        else:
-            logger.warning("MooncakeConnectorV1: pull of request %s (remote %s) failed after %.2fs: %s",
-                           req.request_id, source.request_id, time.monotonic() - start, error)
-            self.stats.record_failure("timeout" if "deadline" in str(error) else "pull")
-            self.ledger.record_failed_load(
-                req.request_id, [g[req.skip_blocks:req.num_blocks] for g in req.local_block_ids]
-            )
-            self._handshakes = {k: v for k, v in self._handshakes.items() if k[1] != source.engine_id}
-        # Always DONE, also after a failure: the prefill must not wait for us until expiry.
-        owed: list[tuple[str, msgspec.Struct]] = []
-        if not counts:
-            # No plan: nobody will read any rank. Every decode rank that gets here says so (FreeNow is
-            # idempotent), so the prefill frees now even if decode rank 0 is gone.
-            for rank in prefill.ranks():
-                owed.append((self._peer_address(source, rank, prefill),
-                             P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
-        for rank, n in counts.items():
-            if n == 0 and self.decode_rank == DecodeRank(0):  # one decode rank tells the idle ranks
-                owed.append((self._peer_address(source, rank, prefill),
-                             P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
-        for pull in pulls:
-            owed.append((self._peer_address(source, pull.source, prefill),
-                         P.PullDone(request_id=source.request_id, reader_id=self.reader_id,
-                                    ok=error is None, expected_readers=counts[pull.source])))
-        with self._lock:
-            self._pending_pulls.discard(req.request_id)
-            self._finished_recving.add(req.request_id)
-        return owed
-
     def _send_done(self, owed: list[tuple[str, msgspec.Struct]]) -> None:
         for address, message in owed:
             self._notify(address, message)
@@ -492,36 +558,37 @@ class MooncakeWorker:
     def _notify(self, address: str, message: msgspec.Struct) -> None:
         """Deliver a DONE / FreeNow, retrying for up to ``lease_s``: a busy prefill (its side channel
         thread starved on a loaded host) must not keep the blocks until expiry because one answer
-        came late. DONE and FreeNow are idempotent on the prefill, so a repeat is harmless. An address
-        that stayed silent that long is presumed dead for a while: one short try per message then."""
+        came late. DONE and FreeNow are idempotent on the prefill, so a repeat is harmless. A peer
+        presumed down (``PeerBreaker``) gets one short try per message."""
         now = time.monotonic()
-        presumed_dead = self._unreachable.get(address, 0.0) > now
+        presumed_dead = self._breaker.state(address) != "closed"
         give_up = now + (0.0 if presumed_dead else self.config.lease_s)
         timeout = 0.2 if presumed_dead else min(1.0, self.config.handshake_timeout_s)
         while True:
             try:
                 self._request(address, message, timeout)
-                self._unreachable.pop(address, None)
+                self._breaker.answered(address)
                 return
             except side_channel.SideChannelError as exc:
                 left = give_up - time.monotonic()
                 if left <= 0:
-                    self._unreachable[address] = time.monotonic() + 4 * self.config.lease_s
+                    if isinstance(exc, side_channel.SideChannelTimeout) and not presumed_dead:
+                        self._breaker.silent(address)
                     self._client.forget(address)
                     logger.warning("MooncakeConnectorV1: %s to %s not delivered: %s",
                                    type(message).__name__, address, exc)
                     return
                 timeout = min(2 * timeout, self.config.handshake_timeout_s, max(0.05, left))
 
-    def _pull_from_rank(self, req: PullRequest, pull: Any, prefill: PrefillLayout, expected: int, deadline: float) -> int:
+    def _pull_from_rank(self, job: _PullJob, pull: RankPull, address: str, read: set[int]) -> int:
+        req, deadline = job.req, job.deadline
         source = req.source
-        address = self._peer_address(source, pull.source, prefill)
         hs = self._handshake(address, source.engine_id, deadline)
-        local, remote, lengths = self._addresses(req, pull, hs)
         block_ids = sorted({source.block_ids[src_pos] for src_pos, _ in pull.blocks})
-        started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id, expected_readers=expected,
-                                block_ids=block_ids)
-        reply = self._until(deadline, lambda left: self._request(address, started, min(left, self.config.handshake_timeout_s)))
+        started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id,
+                                expected_readers=job.counts[pull.source], block_ids=block_ids)
+        reply = self._until(deadline, address,
+                            lambda left: self._request(address, started, min(left, self.config.handshake_timeout_s)))
         if not isinstance(reply, P.Ack):
             raise PullFailed(f"{address} refused the pull: {getattr(reply, 'reason', reply)}")
         renew = P.LeaseRenew(request_id=source.request_id, reader_id=self.reader_id)
@@ -534,7 +601,7 @@ class MooncakeWorker:
             if time.monotonic() - last_renew[0] > self.config.lease_s / 3:
                 last_renew[0] = time.monotonic()
                 # A starved prefill answers late: retry until the pull's deadline, never fail early.
-                reply = self._until(deadline, lambda left: self._request(
+                reply = self._until(deadline, address, lambda left: self._request(
                     address, renew, min(left, self.config.handshake_timeout_s)))
                 if not isinstance(reply, P.Ack):
                     raise PullFailed(f"{address} refused the lease renewal: {getattr(reply, 'reason', reply)}")
@@ -542,8 +609,16 @@ class MooncakeWorker:
         if delay:  # test-only: a window in which the lease is taken but no byte has moved
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
-        return self.te.read_blocks(hs.te_address, local, remote, lengths, deadline, on_chunk,
-                                   on_retry=lambda _why: self.stats.incr("transfer_retries"))
+        # Blocks in request order, a batch at a time: a read that fails midway leaves a prefix of
+        # the request's blocks complete, and only the rest is reported (and recomputed).
+        total = 0
+        for start in range(0, len(pull.blocks), PULL_BATCH_BLOCKS):
+            batch = dataclasses.replace(pull, blocks=pull.blocks[start:start + PULL_BATCH_BLOCKS])
+            local, remote, lengths = self._addresses(req, batch, hs)
+            total += self.te.read_blocks(hs.te_address, local, remote, lengths, deadline, on_chunk,
+                                         on_retry=lambda _why: self.stats.incr("transfer_retries"))
+            read.update(dst for _, dst in batch.blocks)
+        return total
 
     def _addresses(self, req: PullRequest, pull: Any, hs: P.HandshakeReply) -> tuple[list[int], list[int], list[int]]:
         assert self.cache is not None
@@ -586,8 +661,11 @@ class MooncakeWorker:
         message = P.HoldKeepAlive(request_id=source.request_id, reader_id=self.reader_id)
         for rank in prefill.ranks():
             address = self._peer_address(source, rank, prefill)
+            if self._breaker.state(address) != "closed":
+                continue  # presumed down: its pulls fail fast anyway
             try:
                 self._request(address, message, min(self.config.lease_s / 3, self.config.handshake_timeout_s))
+                self._breaker.answered(address)
             except side_channel.SideChannelError as exc:
                 logger.debug("MooncakeConnectorV1: keep-alive to %s not delivered: %s", address, exc)
 
@@ -605,8 +683,8 @@ class MooncakeWorker:
         if self._closed:
             return
         self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._queues is not None:
+            self._queues.close(cancel=True)
         if self._notifier is not None:
             self._notifier.shutdown(wait=True)  # owed DONEs go out (each bounded by lease_s)
         self._client.close()

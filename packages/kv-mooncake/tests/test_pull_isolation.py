@@ -1,0 +1,121 @@
+"""Decode pulls with real TransferEngines (TCP loopback) and real side channels: a dead prefill must
+not starve pulls from a healthy one, and a pull that fails midway reports only what it did not read."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+np = pytest.importorskip("numpy")
+pytest.importorskip("mooncake.engine")
+
+from kv_mooncake.config import MooncakeConfig  # noqa: E402
+from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource  # noqa: E402
+from kv_mooncake.worker import LocalCache, MooncakeWorker  # noqa: E402
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
+NUM_BLOCKS, BLOCK_BYTES, HEADS = 64, 4096, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Instance:
+    """A worker over two numpy 'layers' registered with a real TransferEngine."""
+
+    def __init__(self, cfg: MooncakeConfig, *, producer: bool, seed: int):
+        rng = np.random.default_rng(seed)
+        self.layers = [rng.integers(0, 256, NUM_BLOCKS * BLOCK_BYTES, dtype=np.uint8) for _ in range(2)]
+        self.worker = MooncakeWorker(cfg, engine_id="P" if producer else "D", is_producer=producer,
+                                     is_consumer=not producer, side_channel_port=_free_port(), total_kv_heads=HEADS,
+                                     compatibility_base={"model": "m"})
+        cache = LocalCache(["l0", "l1"], [a.ctypes.data for a in self.layers], [BLOCK_BYTES] * 2, NUM_BLOCKS, HEADS)
+        self.worker.register_cache(cache, SHAPE, "float32")
+
+    def block(self, layer: int, block: int) -> bytes:
+        return self.layers[layer][block * BLOCK_BYTES:(block + 1) * BLOCK_BYTES].tobytes()
+
+
+def _pull(request_id: str, port: int, remote: list[int], local: list[int]) -> PullRequest:
+    source = RemoteSource(engine_id="P", host="127.0.0.1", port=port, request_id=request_id, block_ids=remote)
+    return PullRequest(request_id=request_id, source=source, local_block_ids=[local], num_blocks=len(local),
+                       skip_blocks=0)
+
+
+@pytest.fixture
+def frozen_peer():
+    """A prefill that accepts TCP connections and never answers (SIGSTOPped, or its core stalled)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+def test_a_frozen_prefill_does_not_starve_pulls_from_a_healthy_one(frozen_peer):
+    cfg = MooncakeConfig(pull_timeout_s=3.0, handshake_timeout_s=0.5, num_pull_threads=2, lease_s=2.0)
+    prefill = Instance(cfg, producer=True, seed=1)
+    decode = Instance(cfg, producer=False, seed=2)
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id=f"h{i}", num_blocks=2,
+                                                                  block_ids=[2 * i, 2 * i + 1]) for i in range(2)]))
+        dead = [_pull(f"dead{i}", frozen_peer, [0], [15]) for i in range(6)]
+        healthy = [_pull(f"h{i}", prefill.worker.side_channel_port, [2 * i, 2 * i + 1], [2 * i + 4, 2 * i + 5])
+                   for i in range(2)]
+        t0 = time.monotonic()
+        decode.worker.start_step(MooncakeStep(pulls=dead + healthy))
+        done_at: dict[str, float] = {}
+        while len(done_at) < 8 and time.monotonic() - t0 < 30:
+            for r in decode.worker.get_finished()[1] or ():
+                done_at[r] = time.monotonic() - t0
+            time.sleep(0.01)
+        errors = decode.worker.ledger.take_block_ids_with_load_errors()
+        healthy_s = max(done_at.get("h0", 99), done_at.get("h1", 99))
+        dead_s = max(done_at.get(f"dead{i}", 99) for i in range(6))
+        print(f"healthy pulls done after {healthy_s:.2f}s, all dead ones after {dead_s:.2f}s")
+        assert healthy_s < 1.5, f"healthy pulls waited {healthy_s:.1f}s behind a frozen prefill"
+        assert errors == {15}  # the dead ones only
+        for i in range(2):
+            for layer in range(2):
+                for src, dst in ((2 * i, 2 * i + 4), (2 * i + 1, 2 * i + 5)):
+                    assert decode.block(layer, dst) == prefill.block(layer, src)
+        # Once one pull found the peer silent until its deadline, the others fail at once.
+        assert dead_s < cfg.pull_timeout_s + 1.5, f"6 pulls to a frozen prefill took {dead_s:.1f}s"
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_a_pull_failing_midway_reports_only_the_blocks_it_did_not_read():
+    """40 blocks; the 40th names a block outside the prefill's cache, so the read fails in its last
+    batch. The blocks read before are good KV: only the unread tail is a load error (vLLM then
+    recomputes from the first failed block, not the whole prompt)."""
+    cfg = MooncakeConfig(pull_timeout_s=10.0)
+    prefill = Instance(cfg, producer=True, seed=3)
+    decode = Instance(cfg, producer=False, seed=4)
+    remote = list(range(39)) + [NUM_BLOCKS + 36]
+    local = [NUM_BLOCKS - 1 - i for i in range(40)]
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=40, block_ids=remote)]))
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, remote, local)]))
+        deadline = time.monotonic() + 20
+        while "r" not in (decode.worker.get_finished()[1] or ()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        errors = decode.worker.ledger.take_block_ids_with_load_errors()
+        assert errors and errors != set(local), "a failure midway marked every block of the request"
+        failed_positions = sorted(local.index(b) for b in errors)
+        assert failed_positions == list(range(failed_positions[0], 40)), "only a tail may be unread"
+        assert 39 in failed_positions
+        for pos in range(failed_positions[0]):
+            for layer in range(2):
+                assert decode.block(layer, local[pos]) == prefill.block(layer, remote[pos])
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
