@@ -16,6 +16,7 @@ from kv_common.testing import (
     read_probe_trace,
     summarize_trace,
 )
+from kv_common.testing.probe import PROBE_ENV
 
 pytestmark = [pytest.mark.e2e, requires_vllm]
 psutil = pytest.importorskip("psutil")
@@ -29,7 +30,8 @@ def test_probe_hooks_fire_in_separate_processes(tiny_model, prompts, baseline_to
     extra = [{"kv_transfer_params": {"probe_index": i}} for i in range(len(prompts))]
 
     t0 = time.perf_counter()
-    with EngineProcess(tiny_model, kv_transfer_config=cfg, multiprocess=True, name="probe") as eng:
+    env = {PROBE_ENV: "1"}  # the probe is registered only when asked (EngineProcess would set it too)
+    with EngineProcess(tiny_model, kv_transfer_config=cfg, env=env, multiprocess=True, name="probe") as eng:
         started = time.perf_counter() - t0
         engine_pids = set(eng.pids())
         engine_procs = [psutil.Process(p) for p in engine_pids]

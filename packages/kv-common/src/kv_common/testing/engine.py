@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kv_common.testing.probe import PROBE_ENV, uses_probe
+
 Prompt = Sequence[int]
 
 DEFAULT_KV_CACHE_BYTES = 256 << 20
@@ -152,6 +154,8 @@ class EngineProcess:
         )
         # Workers get time to run their connector's shutdown() before vLLM SIGTERMs them.
         child_env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(shutdown_timeout_s)))
+        if uses_probe(kv_transfer_config):
+            child_env[PROBE_ENV] = "1"  # the probe is registered only when asked
         child_env.update({k: str(v) for k, v in (env or {}).items()})
         self.env = child_env
         self.keep_logs = bool(os.environ.get("KV_TEST_KEEP_LOGS")) if keep_logs is None else keep_logs

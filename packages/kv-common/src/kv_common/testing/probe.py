@@ -1,18 +1,24 @@
 """Registration and trace reading for the probe connector (import-light: no torch, no vLLM).
 
 ``PROBE_SPEC`` is published under the ``kv_common.connectors`` entry-point group and ``register``
-under ``vllm.general_plugins``, so ``kv_connector="KVCommonProbeConnector"`` works by name in every
-vLLM process. The connector itself lives in :mod:`kv_common.testing.probe_connector`.
+under ``vllm.general_plugins``. The probe is test code: ``register`` makes it known to vLLM only when
+``KV_COMMON_ENABLE_PROBE=1`` is set in the environment of the vLLM processes (``EngineProcess`` sets
+it for configs that name the probe); then ``kv_connector="KVCommonProbeConnector"`` works by name.
+The connector itself lives in :mod:`kv_common.testing.probe_connector`.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from kv_common.registry import ConnectorSpec, register_with_vllm
 
 PROBE_NAME = "KVCommonProbeConnector"
+# Read when vLLM loads the general plugins (every vLLM process): "1" registers the probe.
+PROBE_ENV = "KV_COMMON_ENABLE_PROBE"
 PROBE_SPEC = ConnectorSpec(PROBE_NAME, "kv_common.testing.probe_connector", "KVCommonProbeConnector")
 
 # Hooks that live on each side (used by tests and by ``summarize_trace``).
@@ -31,9 +37,25 @@ WORKER_HOOKS = (
 )
 
 
+def probe_enabled() -> bool:
+    return os.environ.get(PROBE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def register() -> None:
-    """``vllm.general_plugins`` entry point: make the probe known to vLLM's factory."""
-    register_with_vllm([PROBE_SPEC])
+    """``vllm.general_plugins`` entry point: make the probe known to vLLM's factory, when asked."""
+    if probe_enabled():
+        register_with_vllm([PROBE_SPEC])
+
+
+def uses_probe(kv_transfer_config: Mapping | None) -> bool:
+    """Whether a ``kv_transfer_config`` dict selects the probe (directly or as a MultiConnector child)."""
+    if not kv_transfer_config:
+        return False
+    if kv_transfer_config.get("kv_connector") == PROBE_NAME:
+        return True
+    extra = kv_transfer_config.get("kv_connector_extra_config") or {}
+    children = (extra.get("connectors") or []) if isinstance(extra, Mapping) else []
+    return any(isinstance(c, Mapping) and uses_probe(c) for c in children)
 
 
 def probe_config(trace_dir: str | Path, *, kv_role: str = "kv_both", **extra: object) -> dict:
