@@ -54,6 +54,10 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     def check(self) -> None:
         """Cross-key validation; raise ``ConfigKeyError``."""
 
+    def set_in_check(self, key: str, value: Any) -> None:
+        """For ``check()`` only: map another project's spelling onto our key (configs are frozen)."""
+        msgspec.structs.force_setattr(self, key, value)
+
 
 C = TypeVar("C", bound=ConnectorConfig)
 

@@ -22,9 +22,10 @@ import json
 import os
 import re
 import tempfile
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
-from kv_common.config import ConnectorConfig
+from kv_common.config import ConfigKeyError, ConnectorConfig, parse_extra_config
 from kv_common.store_connector.config import StoreConnectorConfig
 
 
@@ -48,10 +49,94 @@ class MooncakeOptions(ConnectorConfig):
     setup_timeout_s: float = 60.0
 
 
+BACKEND_GROUP = "kv_store.backends"
+BUILTIN_BACKENDS = ("embedded", "mooncake")
+
+# vllm-ascend's AscendStoreConnector keys that do nothing here, and why (README: "vllm-ascend keys").
+_NO_EFFECT = {
+    "load_async": "loads are synchronous before the forward or layer by layer (load_mode); "
+                  "there is no asynchronous load",
+    "lookup_rpc_port": "lookups run in the scheduler process against the backend; there is no "
+                       "scheduler-to-worker lookup RPC",
+    "mooncake_rpc_port": "lookups run in the scheduler process against the backend; there is no "
+                         "scheduler-to-worker lookup RPC",
+    "prefill_pp_size": "store keys name the TP/PCP/DCP rank only; pipeline-parallel layer "
+                       "partitions are not mapped",
+    "prefill_pp_layer_partition": "store keys name the TP/PCP/DCP rank only; pipeline-parallel "
+                                  "layer partitions are not mapped",
+    "register_buffer": "staging buffers are always registered with the backend",
+    "discard_partial_chunks": "only whole blocks are stored",
+    "h2d_stagger_us": "an Ascend host-to-device copy setting",
+    "layerwise_prefetch_layers": "a memcache layerwise setting",
+    "layerwise_max_transfer_blocks": "a memcache layerwise setting",
+    "layerwise_max_transfer_bytes": "a memcache layerwise setting",
+    "layerwise_num_shared_buffers": "a memcache layerwise setting",
+    "layerwise_independent_layers": "a memcache layerwise setting",
+}
+
+
+def installed_backends() -> list[str]:
+    """Backend names ``backend`` may take: the ``kv_store.backends`` entry points (+ built-ins)."""
+    from importlib import metadata as importlib_metadata
+
+    names = {ep.name for ep in importlib_metadata.entry_points(group=BACKEND_GROUP)}
+    return sorted(names | set(BUILTIN_BACKENDS))
+
+
 class StoreConfig(StoreConnectorConfig):
     backend: str = "embedded"
     embedded: EmbeddedOptions = EmbeddedOptions()
     mooncake: MooncakeOptions = MooncakeOptions()
+    # vllm-ascend's keys, honoured: use_layerwise -> load_mode, consumer_is_to_put -> save,
+    # consumer_is_to_load -> load (a contradicting explicit value is refused).
+    use_layerwise: bool | None = None
+    consumer_is_to_put: bool | None = None
+    consumer_is_to_load: bool | None = None
+    # vllm-ascend's keys accepted without effect (see _NO_EFFECT).
+    load_async: bool | None = None
+    lookup_rpc_port: int | None = None
+    mooncake_rpc_port: int | None = None
+    prefill_pp_size: int | None = None
+    prefill_pp_layer_partition: str | None = None
+    register_buffer: bool | None = None
+    discard_partial_chunks: bool | None = None
+    h2d_stagger_us: int | None = None
+    layerwise_prefetch_layers: int | None = None
+    layerwise_max_transfer_blocks: int | None = None
+    layerwise_max_transfer_bytes: int | None = None
+    layerwise_num_shared_buffers: int | None = None
+    layerwise_independent_layers: list[int] | str | None = None
+
+    no_effect_keys: ClassVar[dict[str, str]] = _NO_EFFECT
+
+    def check(self) -> None:
+        installed = installed_backends()
+        if ":" not in self.backend and self.backend not in installed:  # "pkg.mod:factory" is loaded as named
+            hint = (" (vllm-ascend's memcache and yuanrong backends need Ascend NPUs; use 'mooncake' for "
+                    "a Mooncake Store pool or 'embedded' for one machine)"
+                    if self.backend in ("memcache", "yuanrong") else "")
+            raise ConfigKeyError(
+                "backend", f"{self.backend!r} is not installed here; installed backends: {', '.join(installed)}{hint}"
+            )
+        # vllm-ascend's spellings of our keys: mapped after checking they do not contradict.
+        if self.use_layerwise is False and self.load_mode == "layerwise":
+            raise ConfigKeyError("use_layerwise", "false contradicts load_mode 'layerwise'")
+        if self.consumer_is_to_put is not None and self.save is not None and self.consumer_is_to_put != self.save:
+            raise ConfigKeyError("consumer_is_to_put", f"{self.consumer_is_to_put} contradicts save {self.save}")
+        if self.consumer_is_to_load is not None and self.load is not None and self.consumer_is_to_load != self.load:
+            raise ConfigKeyError("consumer_is_to_load", f"{self.consumer_is_to_load} contradicts load {self.load}")
+        if self.use_layerwise is not None:
+            self.set_in_check("load_mode", "layerwise" if self.use_layerwise else "sync")
+        if self.consumer_is_to_put:  # false keeps the role's default (vllm-ascend's default is false)
+            self.set_in_check("save", True)
+        if self.consumer_is_to_load is not None:
+            self.set_in_check("load", self.consumer_is_to_load)
+
+
+def parse_config(extra: Mapping[str, Any] | None, connector: str = "AscendStoreConnector") -> StoreConfig:
+    """The connector's start-up parse (StoreConnectorBase parses ``StoreConfig`` the same way);
+    also ``python -m kv_common doctor``'s. No vLLM needed."""
+    return parse_extra_config(connector, StoreConfig, extra)
 
 
 def default_spill_dir() -> str:

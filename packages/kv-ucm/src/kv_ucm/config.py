@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
+from kv_common.config import parse_extra_config
 from kv_common.store_connector.config import StoreConnectorConfig
 
 from kv_ucm.ucm_store import DEFAULT_CONNECTOR_NAME, load_ucm_yaml
@@ -72,11 +74,21 @@ class UCMConfig(StoreConnectorConfig):
     # Accepted for config compatibility with UCM's connector; meaningless here (device events).
     enable_event_sync: bool | None = None
 
+    no_effect_keys: ClassVar[dict[str, str]] = {
+        "enable_event_sync": "device events of UCM's own CUDA/NPU connector; this connector copies on the host",
+    }
+
     def __post_init__(self) -> None:
         if self.UCM_CONFIG_FILE is None and self.ucm_connectors is None and self.ucm_connector_config is None:
             raise ValueError(NO_STORE_MESSAGE)
         if self.use_layerwise is not None:
             msgspec.structs.force_setattr(self, "load_mode", "layerwise" if self.use_layerwise else "sync")
+
+
+def parse_config(extra: Mapping[str, Any] | None, connector: str = "UCMConnector") -> UCMConfig:
+    """The connector's start-up parse (StoreConnectorBase parses ``UCMConfig`` the same way);
+    also ``python -m kv_common doctor``'s. No vLLM needed."""
+    return parse_extra_config(connector, UCMConfig, extra)
 
 
 @dataclass(frozen=True)
