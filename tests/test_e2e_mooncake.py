@@ -234,6 +234,23 @@ def test_1p2d_each_decode_pulls_its_own_requests(engines):
     _assert_clean(X_PORT)
 
 
+def test_params_of_another_prompt_pull_nothing_and_recompute(engines):
+    """A proxy hands D the kv_transfer_params of prompts A for prompts B of the same length: the
+    prompt digest differs, D pulls nothing and computes B itself (policy "fail" must not turn this
+    into an error, and must never decode from A's KV), and P1 is told to free A's blocks."""
+    p1, d = engines["p1"], engines["d"]
+    prompts_a = _prompts(4, seed=7)[1::2]  # no shared prefix: no local hit
+    rng = random.Random(8)
+    prompts_b = [[rng.randrange(10, 1000) for _ in p] for p in prompts_a]
+    reference_b = p1.generate(prompts_b)
+    params_a = _prefill(p1, prompts_a)
+    out = d.generate(prompts_b, _forward(params_a))
+    assert_same_tokens(out, reference_b)
+    assert out.num_cached_tokens == [0] * len(prompts_b), (out.num_cached_tokens, out.log_warnings)
+    _assert_clean(P1_PORT)  # freed at once (FreeNow), not on expiry 180 s later
+    _assert_clean(D_PORT)
+
+
 def test_decode_never_pulls_prefill_frees_on_expiry(engines):
     p1 = engines["p1"]
     t0 = time.monotonic()

@@ -205,6 +205,7 @@ def test_decode_request_aborted_before_scheduling_still_frees_the_prefill(prefil
     allocated: the prefill must be told to free now, not after its hold expires."""
     from types import SimpleNamespace
 
+    from kv_mooncake.prompt_identity import prompt_digest
     from kv_mooncake.scheduler import MooncakeScheduler
 
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0], ttl_s=60)]))
@@ -215,7 +216,8 @@ def test_decode_request_aborted_before_scheduling_still_frees_the_prefill(prefil
                             side_channel_port=_free_port(), engine_factory=FakeTransferEngine)
     decode.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1",
-              "remote_port": prefill.side_channel_port, "remote_block_ids": [0], "remote_request_id": "r"}
+              "remote_port": prefill.side_channel_port, "remote_block_ids": [0], "remote_request_id": "r",
+              "prompt_digest": prompt_digest(range(20))}
     req = SimpleNamespace(request_id="d-r", kv_transfer_params=params, prompt_token_ids=list(range(20)),
                           status=SimpleNamespace(name="FINISHED_ABORTED"))
     try:

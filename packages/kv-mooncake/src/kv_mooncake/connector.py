@@ -141,12 +141,14 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):
         return self._worker.ledger.take_block_ids_with_load_errors() if self._worker else set()
 
     def get_kv_connector_stats(self) -> Any:
-        if self._worker is None or self._worker.stats.is_empty():
+        # Workers count pulls; the scheduler counts prompt mismatches (vLLM aggregates both).
+        acc = self._worker.stats if self._worker is not None else getattr(self._scheduler, "stats", None)
+        if acc is None or acc.is_empty():
             return None
         from kv_mooncake.stats import MooncakeConnectorStats
 
-        out = MooncakeConnectorStats.from_accumulator(self._worker.stats)
-        self._worker.stats.reset()
+        out = MooncakeConnectorStats.from_accumulator(acc)
+        acc.reset()
         return out
 
     @classmethod

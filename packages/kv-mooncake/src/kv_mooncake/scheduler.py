@@ -15,10 +15,13 @@ from typing import Any
 
 import msgspec
 from kv_common.metadata import KVTransferParams
+from kv_common.stats import TransferStatsBase
 
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.declared_layout import peer_layout_contradiction
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource
+from kv_mooncake.prompt_identity import PARAM_KEY as PROMPT_DIGEST_KEY
+from kv_mooncake.prompt_identity import prompt_digest, same_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class MooncakeScheduler:
         self._held: dict[str, float] = {}
         # decode: requests accepted for a remote load and not loaded yet -> [source, accepted, last beat]
         self._waiting: dict[str, list] = {}
+        self.stats = TransferStatsBase()  # scheduler-side counters (prompt mismatches)
 
     # ---- decode side -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -89,6 +93,9 @@ class MooncakeScheduler:
         contradiction = peer_layout_contradiction(self.config, remote_tp_size=int(params.get("remote_tp_size") or 1))
         if contradiction:
             self._refuse_declared_layout(request, params, contradiction)
+            return 0, False
+        if not same_prompt(params, request.prompt_token_ids):
+            self._refuse_other_prompt(request, params)
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         self._local_computed[request.request_id] = num_computed_tokens
@@ -106,6 +113,22 @@ class MooncakeScheduler:
         self._local_computed.pop(request.request_id, None)
         logger.warning("MooncakeConnectorV1: request %s: kv_connector_extra_config %s; computing it "
                        "locally instead of pulling", request.request_id, contradiction)
+        source = _remote_source(params)
+        if source is not None:
+            self._step.frees.append(source)
+
+    def _refuse_other_prompt(self, request: Any, params: dict) -> None:
+        """The prefill computed another prompt (or sent no digest): pull nothing, compute locally
+        (a cache miss, so every kv_load_failure_policy recomputes), and let the prefill free."""
+        params["do_remote_prefill"] = False  # decided once: vLLM may ask again next step
+        self._local_computed.pop(request.request_id, None)
+        self.stats.incr("prompt_mismatches")
+        logger.warning(
+            "MooncakeConnectorV1: request %s: kv_transfer_params were made for another prompt "
+            "(prompt digest %s, this prompt %s); computing it locally instead of pulling",
+            request.request_id, params.get(PROMPT_DIGEST_KEY, "missing"),
+            prompt_digest(request.prompt_token_ids or ()),
+        )
         source = _remote_source(params)
         if source is not None:
             self._step.frees.append(source)
@@ -171,6 +194,7 @@ class MooncakeScheduler:
             remote_num_tokens=int(getattr(request, "num_computed_tokens", 0)),
         ).to_dict()
         out["do_remote_decode"] = False
+        out[PROMPT_DIGEST_KEY] = prompt_digest(request.prompt_token_ids or ())
         return True, out
 
     def _hold_ttl(self, params: dict) -> float | None:

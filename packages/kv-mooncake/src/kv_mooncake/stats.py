@@ -18,6 +18,9 @@ _COUNTERS = {  # metric suffix -> (documentation, how to read it from the stats 
                       lambda d: (d.get("counters") or {}).get("expired_holds", 0)),
     "rejected_reads": ("Pull requests refused because they named blocks not held for that request.",
                        lambda d: (d.get("counters") or {}).get("rejected_reads", 0)),
+    "prompt_mismatches": ("Decode requests whose kv_transfer_params were made for another prompt "
+                          "(nothing pulled, computed locally).",
+                          lambda d: (d.get("counters") or {}).get("prompt_mismatches", 0)),
     "transfer_retries": ("TransferEngine reads attempted again after a failed or stalled attempt.",
                          lambda d: (d.get("counters") or {}).get("transfer_retries", 0)),
 }
