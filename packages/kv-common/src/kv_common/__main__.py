@@ -1,4 +1,5 @@
-"""``python -m kv_common list``: the installed kv-* connectors, their names and who owns each name."""
+"""``python -m kv_common list``: the installed kv-* connectors, their names and who owns each name.
+``python -m kv_common doctor``: checks before serving (``kv_common.doctor``)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,31 @@ def main(argv: list[str] | None = None) -> int:
     list_parser.add_argument(
         "--no-vllm", action="store_true", help="do not import vLLM: show what registering would do"
     )
+    doctor_parser = sub.add_parser("doctor", help="check an installation and a --kv-transfer-config before serving")
+    doctor_parser.add_argument("--kv-transfer-config", help="vLLM's --kv-transfer-config JSON (or a file holding it)")
+    doctor_parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                               help="a peer that must accept TCP (e.g. a prefill's side channel); repeatable")
+    doctor_parser.add_argument("--timeout", type=float, default=2.0, help="TCP connect deadline, seconds")
+    doctor_parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    doctor_parser.add_argument("--no-vllm", action="store_true", help="do not import vLLM (name owners not read)")
     args = parser.parse_args(argv)
     if args.command == "list":
         return list_connectors(no_vllm=args.no_vllm)
+    if args.command == "doctor":
+        return doctor(args)
     return 0
+
+
+def doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from kv_common import doctor as doctor_mod
+
+    registry, heading, plugins_ok = _vllm_registry(args.no_vllm)
+    report = doctor_mod.run(args.kv_transfer_config, peers=args.peer, timeout_s=args.timeout, registry=registry,
+                            registry_heading=heading, plugins_ok=plugins_ok)
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.to_text())
+    return 0 if report.ok else 1
 
 
 def _vllm_registry(no_vllm: bool) -> tuple[dict | None, str, bool]:

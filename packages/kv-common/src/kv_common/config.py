@@ -54,6 +54,12 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     def check(self) -> None:
         """Cross-key validation; raise ``ConfigKeyError``."""
 
+    def preflight(self, kv_transfer_config: Mapping[str, Any]) -> Any:
+        """What ``python -m kv_common doctor`` should check for this config: a
+        ``kv_common.doctor.Preflight`` (ports, peers, directories, engines), or None.
+        ``kv_transfer_config`` is the connector's kv-transfer-config (kv_role, kv_port, kv_ip)."""
+        return None
+
     def set_in_check(self, key: str, value: Any) -> None:
         """For ``check()`` only: map another project's spelling onto our key (configs are frozen)."""
         msgspec.structs.force_setattr(self, key, value)

@@ -75,6 +75,9 @@ class MooncakeConfig(ConnectorConfig):
         "ascend_local_comm_res_path": "an Ascend HCCL resource file; no NPU transport here",
     }
 
+    def preflight(self, kv_transfer_config: Mapping[str, Any]) -> Any:
+        return _preflight(self, kv_transfer_config)
+
     def __post_init__(self) -> None:
         if not 1 <= self.max_inflight_transfers <= 1024:
             raise ValueError("max_inflight_transfers must be in 1..1024 (Mooncake's per-peer TCP queue)")
@@ -86,6 +89,25 @@ class MooncakeConfig(ConnectorConfig):
             raise ValueError("debug_pull_chunk_delay_s must be >= 0")
         if self.num_pull_threads < 1:
             raise ValueError("num_pull_threads must be >= 1")
+
+
+def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
+    from kv_common.doctor import Preflight
+
+    role = ktc.get("kv_role") or "kv_both"
+    producer = role in ("kv_producer", "kv_both")
+    base = config.side_channel_port if config.side_channel_port is not None else int(ktc["kv_port"])
+    # One side-channel port per worker rank (DP rank r adds r * world size, not known here).
+    ranks = (config.prefill.tp_size if producer and config.prefill and config.prefill.tp_size else 1)
+    plan = Preflight(modules=[("mooncake.engine", "TransferEngine", "Mooncake TransferEngine")])
+    if producer or config.decode_side_channel:
+        for rank in range(ranks):
+            plan.bind.append((config.side_channel_host, base + rank, f"side channel of worker rank {rank}"))
+    else:
+        plan.notes.append("decode: listens on no side-channel port (decode_side_channel is false)")
+    if ranks == 1 and producer:
+        plan.notes.append("ports checked for one worker rank; set prefill.tp_size to check one per TP rank")
+    return plan
 
 
 def parse_config(extra: Mapping[str, Any] | None, connector: str = CONNECTOR_NAME) -> MooncakeConfig:

@@ -56,10 +56,10 @@ BUILTIN_BACKENDS = ("embedded", "mooncake")
 _NO_EFFECT = {
     "load_async": "loads are synchronous before the forward or layer by layer (load_mode); "
                   "there is no asynchronous load",
-    "lookup_rpc_port": "lookups run in the scheduler process against the backend; there is no "
-                       "scheduler-to-worker lookup RPC",
-    "mooncake_rpc_port": "lookups run in the scheduler process against the backend; there is no "
-                         "scheduler-to-worker lookup RPC",
+    "lookup_rpc_port": "it names vllm-ascend's scheduler-to-worker lookup IPC socket; here lookups "
+                       "run in the scheduler process against the backend (nothing listens)",
+    "mooncake_rpc_port": "vllm-ascend's older name of lookup_rpc_port; here lookups run in the "
+                         "scheduler process against the backend (nothing listens)",
     "prefill_pp_size": "store keys name the TP/PCP/DCP rank only; pipeline-parallel layer "
                        "partitions are not mapped",
     "prefill_pp_layer_partition": "store keys name the TP/PCP/DCP rank only; pipeline-parallel "
@@ -94,8 +94,8 @@ class StoreConfig(StoreConnectorConfig):
     consumer_is_to_load: bool | None = None
     # vllm-ascend's keys accepted without effect (see _NO_EFFECT).
     load_async: bool | None = None
-    lookup_rpc_port: int | None = None
-    mooncake_rpc_port: int | None = None
+    lookup_rpc_port: int | str | None = None
+    mooncake_rpc_port: int | str | None = None
     prefill_pp_size: int | None = None
     prefill_pp_layer_partition: str | None = None
     register_buffer: bool | None = None
@@ -108,6 +108,9 @@ class StoreConfig(StoreConnectorConfig):
     layerwise_independent_layers: list[int] | str | None = None
 
     no_effect_keys: ClassVar[dict[str, str]] = _NO_EFFECT
+
+    def preflight(self, kv_transfer_config: Mapping[str, Any]) -> Any:
+        return _preflight(self)
 
     def check(self) -> None:
         installed = installed_backends()
@@ -131,6 +134,37 @@ class StoreConfig(StoreConnectorConfig):
             self.set_in_check("save", True)
         if self.consumer_is_to_load is not None:
             self.set_in_check("load", self.consumer_is_to_load)
+
+
+def _preflight(config: StoreConfig) -> Any:
+    from importlib import metadata as importlib_metadata
+
+    from kv_common.doctor import Preflight
+
+    plan = Preflight()
+    if config.backend == "embedded":
+        plan.writable_dirs.append((config.embedded.spill_dir or default_spill_dir(), "embedded backend spill_dir"))
+    elif config.backend == "mooncake":
+        plan.modules.append(("mooncake.store", "MooncakeDistributedStore", "backend 'mooncake'"))
+        try:
+            options = resolve_mooncake(config.mooncake)
+        except (ValueError, OSError) as exc:
+            plan.problems.append(str(exc))
+        else:
+            host, _, port = str(options["master_server_address"]).rpartition(":")
+            if port.isdigit():
+                plan.connect.append((host.strip("[]"), int(port), "Mooncake master"))
+            else:
+                plan.problems.append(f"mooncake backend: master_server_address {options['master_server_address']!r} "
+                                     "is not HOST:PORT")
+    for ep in importlib_metadata.entry_points(group=BACKEND_GROUP):
+        if ep.name == config.backend and ep.name not in BUILTIN_BACKENDS:
+            module, _, attribute = ep.value.partition(":")
+            plan.modules.append((module, attribute.split(".")[0], f"backend {ep.name!r} ({ep.value})"))
+    for key in ("lookup_rpc_port", "mooncake_rpc_port"):
+        if getattr(config, key) is not None:
+            plan.notes.append(f"{key} is not checked: nothing listens on it here")
+    return plan
 
 
 def parse_config(extra: Mapping[str, Any] | None, connector: str = "AscendStoreConnector") -> StoreConfig:

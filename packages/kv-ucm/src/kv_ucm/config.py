@@ -78,11 +78,30 @@ class UCMConfig(StoreConnectorConfig):
         "enable_event_sync": "device events of UCM's own CUDA/NPU connector; this connector copies on the host",
     }
 
+    def preflight(self, kv_transfer_config: Mapping[str, Any]) -> Any:
+        return _preflight(self)
+
     def __post_init__(self) -> None:
         if self.UCM_CONFIG_FILE is None and self.ucm_connectors is None and self.ucm_connector_config is None:
             raise ValueError(NO_STORE_MESSAGE)
         if self.use_layerwise is not None:
             msgspec.structs.force_setattr(self, "load_mode", "layerwise" if self.use_layerwise else "sync")
+
+
+def _preflight(config: UCMConfig) -> Any:
+    from kv_common.doctor import Preflight
+
+    plan = Preflight(modules=[("ucm", "", "UCM")])
+    try:
+        spec = resolve_store_spec(config)
+    except UCMConfigError as exc:
+        plan.problems.append(str(exc))
+        return plan
+    backends = spec.connector_config.get("storage_backends")
+    if spec.connector_config.get("store_pipeline") == "Posix" and backends:
+        paths = backends.split(":") if isinstance(backends, str) else list(backends)
+        plan.writable_dirs.extend((str(p), "UCM Posix storage_backends") for p in paths)
+    return plan
 
 
 def parse_config(extra: Mapping[str, Any] | None, connector: str = "UCMConnector") -> UCMConfig:
