@@ -14,11 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import requires_vllm
 from kv_common.config import ConnectorConfigError
 from kv_common.doctor import find_spec, parse_connector_config
 from kv_common.registry import discover_connectors
-
-from tests.conftest import requires_vllm
 
 DATA = Path(__file__).parent / "data" / "vllm_ascend_configs"
 SPECS = discover_connectors()
