@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 
-from benchmarks.report import ROOT, Claim, Section, load_average, machine
+from benchmarks.report import ROOT, Claim, Section, load_average, machine, table
 
 # Report order; modules not named here follow in alphabetical order.
 ORDER = [
@@ -57,6 +57,19 @@ def run_line(mode: str, command: str, load_before: float, load_after: float, not
         f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cores"
     )
     return line + (f"; {note}" if note else "")
+
+
+def as_section(module, result) -> Section:
+    """A bench module's result as a Section: modules that return rows (a list of dicts) get a
+    generic table under their docstring's first line."""
+    if isinstance(result, Section):
+        return result
+    title = ((module.__doc__ or module.__name__).strip().splitlines() or [module.__name__])[0].rstrip(".")
+    rows = [r for r in (result or []) if isinstance(r, dict)]
+    keys = [k for k in (rows[0] if rows else {}) if not isinstance(rows[0][k], (dict, list))]
+    tables = [table(keys, [[r.get(k, "–") for k in keys] for r in rows])] if rows else []
+    return Section(title=title, summary=(module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "),
+                   tables=tables, notes=["rows as the module returns them (it builds no Section of its own)"])
 
 
 def section_block(name: str, s: Section) -> str:
@@ -143,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         started, load_before = time.monotonic(), load_average()
         print(f"== {name}", flush=True)
         try:
-            section = importlib.import_module(f"benchmarks.{name}").run(quick=args.quick)
+            module = importlib.import_module(f"benchmarks.{name}")
+            section = as_section(module, module.run(quick=args.quick))
         except Exception as exc:  # one broken bench must not hide the others' numbers
             traceback.print_exc()
             section = Section(title=name, notes=[f"failed: {type(exc).__name__}: {exc}"])

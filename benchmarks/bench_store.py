@@ -292,9 +292,21 @@ def _plot(results: dict, sizes: list[int], backends: list[str]) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     xs = [s >> 10 for s in sizes]
-    for ax, direction in zip(axes, ("put", "get"), strict=True):
+    for name in backends:
+        for direction, style in (("put", "-o"), ("get", "-s")):
+            axes[2].plot(xs, [results[(name, s)][0][f"{direction}_conn"] / results[(name, s)][0][f"{direction}_raw"]
+                              for s in sizes], style, label=f"{name} {direction}")
+    axes[2].axhline(0.9, color="r", linestyle=":", label="target 0.9")
+    axes[2].set_ylim(0, 1.5)
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_xlabel("block value (KiB)")
+    axes[2].set_ylabel("connector / raw (medians), crc32 on")
+    axes[2].set_title("ratio (the table's 'ratio' columns)")
+    axes[2].grid(True, alpha=0.3)
+    axes[2].legend(fontsize=7)
+    for ax, direction in zip(axes[:2], ("put", "get"), strict=True):
         for name in backends:
             r = [results[(name, s)][0] for s in sizes]
             st = [results[(name, s)][1] for s in sizes]
@@ -308,7 +320,8 @@ def _plot(results: dict, sizes: list[int], backends: list[str]) -> str:
         ax.set_title(direction)
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("GB/s (median)")
-    axes[1].legend(fontsize=8)
+    axes[1].set_ylabel("GB/s (median)")
+    axes[1].legend(fontsize=7)
     fig.suptitle("AscendStoreConnector worker vs raw backend")
     fig.tight_layout()
     path = plot_path("store.png")

