@@ -97,7 +97,8 @@ def test_lease_keeps_blocks_past_the_hold(prefill):
 
 
 def _compat(**changes) -> P.Compatibility:
-    base = dict(model="m", dtype="float32", block_size=16, head_size=8, num_layers=2, total_kv_heads=4, use_mla=False)
+    base = dict(model="m", dtype="float32", block_size=16, head_size=8, num_layers=2, total_kv_heads=4, use_mla=False,
+                layout="raw:[blocks,heads,bytes]", kernel_block_size=16)
     base.update(changes)
     return P.Compatibility(**base)
 
@@ -109,7 +110,7 @@ def test_handshake_over_zmq_and_compatibility_refusal(prefill):
     assert isinstance(ok, P.HandshakeReply) and ok.layer_names == ["l0", "l1"] and ok.base_addresses == [4096, 8192]
     bad = side_channel.request(addr, P.Handshake(engine_id="P", compatibility=_compat(block_size=128), reader_id="d"),
                                P.REPLY_TYPES, 2.0)
-    assert isinstance(bad, P.Refused) and "block_size 128 vs 16" in bad.reason
+    assert isinstance(bad, P.Refused) and "block_size: decode 128, prefill 16" in bad.reason
     other = side_channel.request(addr, P.Handshake(engine_id="Q", compatibility=_compat(), reader_id="d"),
                                  P.REPLY_TYPES, 2.0)
     assert isinstance(other, P.Refused) and "engine id" in other.reason

@@ -8,6 +8,7 @@ from typing import Any
 from kv_common import vllm_compat
 
 from kv_mooncake.config import load_config
+from kv_mooncake.fingerprint import config_fingerprint, unsupported_settings
 from kv_mooncake.declared_layout import start_up_contradictions
 from kv_mooncake.metadata import MooncakeStep
 from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
@@ -35,6 +36,16 @@ def _parallel(vllm_config: Any) -> dict[str, int]:
     }
 
 
+def _kv_shape(vllm_config: Any, use_mla: bool) -> dict[str, int]:
+    """Heads on this rank and head size, to recognise the KV tensors' layout (see kv_regions)."""
+    model = vllm_config.model_config
+    try:
+        heads = 1 if use_mla else int(model.get_num_kv_heads(vllm_config.parallel_config))
+        return {"heads_on_rank": heads, "head_size": int(model.get_head_size())}
+    except Exception:  # noqa: BLE001 - unknown model config: only the CPU layout is read (from its shape)
+        return {}
+
+
 class MooncakeConnectorV1(_base.KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -43,6 +54,10 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):
         self.config = load_config(dict(ktc.kv_connector_extra_config or {}))
         self.engine_id = str(ktc.engine_id)
         par = _parallel(vllm_config)
+        fingerprint = config_fingerprint(vllm_config)
+        problems = unsupported_settings(fingerprint, is_consumer=bool(ktc.is_kv_consumer))
+        if problems:
+            raise ValueError("MooncakeConnectorV1 cannot read this KV layout right: " + "; ".join(problems))
         is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         # vllm-ascend's declared prefill/decode sizes must describe what really runs here.
         pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
@@ -85,7 +100,7 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):
                                              pcp_size=par["pcp"], dcp_size=par["dcp"], use_mla=use_mla),
                 decode_layout=DecodeLayout(tp_size=par["tp"], dcp_size=par["dcp"]),
                 total_kv_heads=total_heads, use_mla=use_mla,
-                compatibility_base={"model": fp["model"]},
+                compatibility_base={**fingerprint, **_kv_shape(vllm_config, use_mla)},
             )
 
     # ---- scheduler side ----------------------------------------------------------------------

@@ -18,20 +18,29 @@ import msgspec
 
 
 class Compatibility(msgspec.Struct, frozen=True, kw_only=True):
-    """What two instances must agree on before blocks move between them."""
+    """What two instances must agree on before blocks move between them: every setting that changes
+    which bytes a block id names or how they decode. Compared field by field at the handshake."""
 
     model: str
-    dtype: str
-    block_size: int
+    dtype: str  # the KV tensor's element type (torch name)
+    block_size: int  # logical (scheduler) tokens per block on one rank: what block ids count
     head_size: int
     num_layers: int
     total_kv_heads: int
     use_mla: bool
-    layout: str = "cpu:[blocks,heads,block_size,2*head_size]"
+    layout: str = "cpu:[blocks,heads,block_size,2*head_size]"  # KV layout and stride order
+    revision: str = ""
+    quantization: str = ""
+    model_dtype: str = ""
+    cache_dtype: str = ""  # by name: fp8_e4m3 and fp8_e5m2 are both uint8 tensors
+    kernel_block_size: int = 0  # tokens per block in the tensor (vLLM may split a logical block)
+    pipeline_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 0  # as this instance lays out context-parallel tokens
 
-    def differences(self, other: Compatibility) -> list[str]:
+    def differences(self, other: Compatibility, mine: str = "decode", theirs: str = "prefill") -> list[str]:
+        """One line per differing setting, naming it and both values."""
         return [
-            f"{name} {getattr(self, name)!r} vs {getattr(other, name)!r}"
+            f"{name}: {mine} {getattr(self, name)!r}, {theirs} {getattr(other, name)!r}"
             for name in self.__struct_fields__
             if getattr(self, name) != getattr(other, name)
         ]
@@ -43,6 +52,16 @@ class Handshake(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     reader_id: str
 
 
+class PartInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One KV tensor of a layer (``kv_regions.KVPart``): where it is and how its bytes are laid out."""
+
+    base: int
+    shape: list[int]
+    strides: list[int]  # elements
+    element_size: int
+    roles: list[str]
+
+
 class HandshakeReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     engine_id: str
     te_address: str  # "host:rpc_port" of the prefill rank's TransferEngine
@@ -52,6 +71,13 @@ class HandshakeReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     num_blocks: int
     heads_on_rank: int
     compatibility: Compatibility
+    # The prefill instance's own parallel sizes: the decode plans from kv_transfer_params and
+    # refuses to pull when they differ (a stale or forged params would read the wrong ranks).
+    tp_size: int = 0
+    pcp_size: int = 0
+    dcp_size: int = 0
+    kernel_blocks_per_block: int = 1
+    parts: list[list[PartInfo]] = []  # per layer (same order as layer_names): its KV tensors
 
 
 class PullStarted(msgspec.Struct, tag=True, frozen=True, kw_only=True):

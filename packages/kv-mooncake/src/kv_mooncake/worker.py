@@ -29,6 +29,7 @@ from kv_common.stats import TransferStatsBase
 
 from kv_mooncake import protocol as P
 from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.kv_regions import KVPart, LayoutError, head_span_runs, infer_roles, layout_name, pair_runs
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
 from kv_mooncake.peer_health import PeerBreaker, PeerQueues
 from kv_mooncake.pull_plan import (
@@ -78,39 +79,105 @@ class _PullJob:
 
 @dataclass
 class LocalCache:
-    """This rank's registered KV cache, as the pull arithmetic needs it."""
+    """This rank's registered KV cache, as the pull arithmetic needs it.
+
+    ``parts``: per layer, its KV tensors (``kv_regions``); without it (raw regions, tests and
+    benchmarks) each layer is one region of ``num_blocks`` blocks of ``block_bytes``, heads
+    contiguous inside a block. ``num_blocks`` counts the tensor's (kernel) blocks; a logical block
+    id ``b`` is kernel blocks ``b*kernel_blocks_per_block ...`` (vLLM may split a block for its
+    attention kernel).
+    """
 
     layer_names: list[str]
     base_addresses: list[int]
     block_bytes: list[int]
     num_blocks: int
     heads_on_rank: int
+    parts: list[list[KVPart]] | None = None
+    kernel_blocks_per_block: int = 1
+    layout: str = "raw:[blocks,heads,bytes]"
+
+    def layer_parts(self, li: int) -> list[KVPart]:
+        if self.parts is not None:
+            return self.parts[li]
+        per_head = self.block_bytes[li] // self.heads_on_rank
+        return [KVPart(base=self.base_addresses[li], shape=(self.num_blocks, self.heads_on_rank, per_head),
+                       strides=(self.block_bytes[li], per_head, 1), element_size=1,
+                       roles=("block", "head", "dim"))]
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) to register with the TransferEngine."""
+        return [(part.base, part.span_bytes()) for li in range(len(self.layer_names))
+                for part in self.layer_parts(li)]
 
 
-def describe_kv_caches(kv_caches: dict[str, Any]) -> tuple[LocalCache, dict[str, int]]:
-    """CPU layout per layer: ``[num_blocks, heads, block_size, 2*head_size]``, contiguous."""
+def _parts_of(name: str, value: Any, heads: int, head_size: int, use_mla: bool) -> list[KVPart]:
+    tensors = list(value) if isinstance(value, (list, tuple)) else [value]
+    parts = []
+    for t in tensors:
+        roles = infer_roles(tuple(int(x) for x in t.shape), heads, head_size, use_mla)
+        parts.append(KVPart(base=int(t.data_ptr()), shape=tuple(int(x) for x in t.shape),
+                            strides=tuple(int(x) for x in t.stride()), element_size=int(t.element_size()),
+                            roles=roles))
+    return parts
+
+
+def describe_kv_caches(
+    kv_caches: dict[str, Any],
+    *,
+    heads_on_rank: int | None = None,
+    head_size: int | None = None,
+    use_mla: bool = False,
+    block_size: int | None = None,
+) -> tuple[LocalCache, dict[str, int]]:
+    """Describe each layer's KV tensor(s) in any layout ``kv_regions.infer_roles`` knows (the CPU
+    ``[num_blocks, heads, block_size, 2*head_size]``, CUDA, FlashInfer, separate K and V, MLA).
+
+    ``block_size`` is the logical (scheduler) block size per rank; the tensor's block may be
+    smaller (vLLM's kernel block), never larger. Without ``heads_on_rank`` / ``head_size`` only the
+    CPU layout is read (heads and head size from its shape)."""
     names = list(kv_caches)
     if not names:
         raise ValueError("MooncakeConnectorV1: no KV cache tensors to register")
     first = kv_caches[names[0]]
-    if first.dim() != 4:
+    first = first[0] if isinstance(first, (list, tuple)) else first
+    if heads_on_rank is None or head_size is None:
+        if first.dim() != 4 or use_mla:
+            raise ValueError(
+                f"MooncakeConnectorV1: unsupported KV cache shape {tuple(first.shape)} for layer {names[0]} "
+                "(expected [num_blocks, kv_heads, block_size, 2*head_size])"
+            )
+        heads_on_rank, head_size = int(first.shape[1]), int(first.shape[3]) // 2
+    try:
+        parts = [_parts_of(n, kv_caches[n], heads_on_rank, head_size, use_mla) for n in names]
+    except LayoutError as exc:
+        raise ValueError(f"MooncakeConnectorV1: {exc}") from exc
+    ref = parts[0]
+    for name, layer in zip(names, parts):
+        if [(p.shape, p.strides, p.roles, p.element_size) for p in layer] != \
+                [(p.shape, p.strides, p.roles, p.element_size) for p in ref]:
+            raise ValueError(f"MooncakeConnectorV1: layer {name} differs in KV layout from layer {names[0]}")
+        if any(p.num_blocks != ref[0].num_blocks for p in layer):
+            raise ValueError(f"MooncakeConnectorV1: layer {name}: its K and V tensors differ in blocks")
+    kernel_block = ref[0].size("token")
+    logical = block_size or kernel_block
+    if logical % kernel_block or ref[0].num_blocks % (logical // kernel_block):
         raise ValueError(
-            f"MooncakeConnectorV1: unsupported KV cache shape {tuple(first.shape)} for layer {names[0]} "
-            "(expected [num_blocks, kv_heads, block_size, 2*head_size])"
+            f"MooncakeConnectorV1: KV tensor blocks of {kernel_block} tokens ({ref[0].num_blocks} of them) do "
+            f"not tile logical blocks of block_size={logical}"
         )
-    for name in names:
-        t = kv_caches[name]
-        if not t.is_contiguous() or tuple(t.shape) != tuple(first.shape):
-            raise ValueError(f"MooncakeConnectorV1: layer {name} is not contiguous or differs in shape")
-    num_blocks, heads, block_size, two_head = (int(x) for x in first.shape)
     cache = LocalCache(
         layer_names=names,
-        base_addresses=[int(kv_caches[n].data_ptr()) for n in names],
-        block_bytes=[int(kv_caches[n][0].numel() * kv_caches[n].element_size()) for n in names],
-        num_blocks=num_blocks,
-        heads_on_rank=heads,
+        base_addresses=[layer[0].base for layer in parts],
+        block_bytes=[layer[0].block_stride_bytes for layer in parts],
+        num_blocks=ref[0].num_blocks,
+        heads_on_rank=1 if use_mla else heads_on_rank,
+        parts=parts,
+        kernel_blocks_per_block=logical // kernel_block,
+        layout=layout_name(ref),
     )
-    return cache, {"block_size": block_size, "head_size": two_head // 2, "num_layers": len(names)}
+    return cache, {"block_size": logical, "kernel_block_size": kernel_block, "head_size": head_size,
+                   "num_layers": len(names)}
 
 
 def check_kv_cache_groups(kv_cache_config: Any) -> None:
@@ -173,6 +240,7 @@ class MooncakeWorker:
         self._early_free: OrderedDict[str, None] = OrderedDict()
         self._pending_pulls: set[str] = set()
         self._handshakes: dict[tuple[str, str], P.HandshakeReply] = {}
+        self._run_cache: dict[tuple, list[tuple[int, int, int]]] = {}  # paired byte runs per layout pair
         self.tracker = DelayedFreeTracker(self._on_free)
 
         self.cache: LocalCache | None = None
@@ -188,21 +256,35 @@ class MooncakeWorker:
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        cache, shape = describe_kv_caches(kv_caches)
+        layout = self._compat_base
+        cache, shape = describe_kv_caches(
+            kv_caches, heads_on_rank=layout.get("heads_on_rank"), head_size=layout.get("head_size"),
+            use_mla=self.use_mla, block_size=layout.get("block_size"),
+        )
         first = next(iter(kv_caches.values()))
+        first = first[0] if isinstance(first, (list, tuple)) else first
         self.register_cache(cache, shape, dtype=str(first.dtype).removeprefix("torch."))
 
     def register_cache(self, cache: LocalCache, shape: dict[str, int], dtype: str) -> None:
         """Register raw regions (tests and benchmarks use this without torch)."""
         self.cache = cache
+        base = self._compat_base
         self.compatibility = P.Compatibility(
-            model=str(self._compat_base.get("model", "")),
+            model=str(base.get("model", "")),
             dtype=dtype,
             block_size=shape["block_size"],
             head_size=shape["head_size"],
             num_layers=shape["num_layers"],
             total_kv_heads=1 if self.use_mla else self.total_kv_heads,
             use_mla=self.use_mla,
+            layout=cache.layout,
+            revision=str(base.get("revision", "")),
+            quantization=str(base.get("quantization", "")),
+            model_dtype=str(base.get("model_dtype", "")),
+            cache_dtype=str(base.get("cache_dtype", "")),
+            kernel_block_size=int(shape.get("kernel_block_size", shape["block_size"])),
+            pipeline_parallel_size=int(base.get("pipeline_parallel_size", 1)),
+            cp_kv_cache_interleave_size=int(base.get("cp_kv_cache_interleave_size", 0)),
         )
         if self._engine_factory is not None:
             self.te = self._engine_factory()
@@ -216,7 +298,7 @@ class MooncakeWorker:
                 self.config.max_inflight_transfers,
                 self.config.transfer_attempt_timeout_s,
             )
-        self.te.register([(a, b * cache.num_blocks) for a, b in zip(cache.base_addresses, cache.block_bytes)])
+        self.te.register(cache.regions())
         if self.is_producer or self.config.decode_side_channel:
             if self.is_producer:
                 port = self.side_channel_port + self.prefill_rank.index(self.prefill_layout)
@@ -386,16 +468,24 @@ class MooncakeWorker:
             return P.Refused(reason=f"engine id {message.engine_id!r} vs {self.engine_id!r} (prefill restarted?)")
         diff = message.compatibility.differences(self.compatibility)
         if diff:
+            logger.warning("MooncakeConnectorV1: refusing reader %s: incompatible KV caches: %s",
+                           message.reader_id, "; ".join(diff))
             return P.Refused(reason="incompatible KV caches: " + "; ".join(diff))
+        cache, layout = self.cache, self.prefill_layout
         return P.HandshakeReply(
             engine_id=self.engine_id,
             te_address=self.te.rpc_address,
-            layer_names=self.cache.layer_names,
-            base_addresses=self.cache.base_addresses,
-            block_bytes=self.cache.block_bytes,
-            num_blocks=self.cache.num_blocks,
-            heads_on_rank=self.cache.heads_on_rank,
+            layer_names=cache.layer_names,
+            base_addresses=cache.base_addresses,
+            block_bytes=cache.block_bytes,
+            num_blocks=cache.num_blocks,
+            heads_on_rank=cache.heads_on_rank,
             compatibility=self.compatibility,
+            tp_size=layout.tp_size, pcp_size=layout.pcp_size, dcp_size=layout.dcp_size,
+            kernel_blocks_per_block=cache.kernel_blocks_per_block,
+            parts=[[P.PartInfo(base=p.base, shape=list(p.shape), strides=list(p.strides),
+                               element_size=p.element_size, roles=list(p.roles))
+                    for p in cache.layer_parts(li)] for li in range(len(cache.layer_names))],
         )
 
     # ---- decode: pulls -----------------------------------------------------------------------
@@ -419,6 +509,10 @@ class MooncakeWorker:
         if reply.heads_on_rank < 1 or len(reply.layer_names) != len(reply.base_addresses) or \
                 len(reply.block_bytes) != len(reply.layer_names):
             raise PullFailed(f"malformed handshake reply from {address}")
+        # Both sides compare: a prefill that skipped the check must not be read either.
+        diff = self.compatibility.differences(reply.compatibility)
+        if diff:
+            raise PullFailed(f"handshake with {address}: incompatible KV caches: " + "; ".join(diff))
         self._handshakes[key] = reply
         return reply
 
@@ -620,12 +714,55 @@ class MooncakeWorker:
             read.update(dst for _, dst in batch.blocks)
         return total
 
+    def _remote_parts(self, hs: P.HandshakeReply) -> list[list[KVPart]]:
+        if not hs.parts:  # raw regions (tests, benchmarks): heads contiguous inside a block
+            raw = LocalCache(hs.layer_names, hs.base_addresses, hs.block_bytes, hs.num_blocks, hs.heads_on_rank)
+            return [raw.layer_parts(i) for i in range(len(hs.layer_names))]
+        try:
+            return [[KVPart(base=p.base, shape=tuple(p.shape), strides=tuple(p.strides),
+                            element_size=p.element_size, roles=tuple(p.roles)) for p in layer]
+                    for layer in hs.parts]
+        except LayoutError as exc:
+            raise PullFailed(f"malformed KV layout from the prefill: {exc}") from exc
+
+    def _check_peer(self, source: RemoteSource, hs: P.HandshakeReply) -> None:
+        """The plan was made from kv_transfer_params: the prefill must really be laid out that way."""
+        assert self.cache is not None
+        said = (source.tp_size, source.pcp_size, source.dcp_size)
+        has = (hs.tp_size, hs.pcp_size, hs.dcp_size)
+        if said != has:
+            raise PullFailed(f"kv_transfer_params say the prefill runs TP/PCP/DCP {said}, it runs {has}")
+        if hs.kernel_blocks_per_block != self.cache.kernel_blocks_per_block or len(hs.parts or hs.layer_names) \
+                != len(hs.layer_names):
+            raise PullFailed(f"kernel blocks per block: decode {self.cache.kernel_blocks_per_block}, "
+                             f"prefill {hs.kernel_blocks_per_block}")
+
+    def _paired_runs(self, lp: KVPart, rp: KVPart, span: Any) -> list[tuple[int, int, int]]:
+        key = (lp.shape, lp.strides, lp.roles, lp.element_size, rp.shape, rp.strides, rp.roles, rp.element_size,
+               span.src_head, span.dst_head, span.num_heads)
+        runs = self._run_cache.get(key)
+        if runs is None:
+            try:
+                runs = pair_runs(head_span_runs(lp, span.dst_head, span.num_heads),
+                                 head_span_runs(rp, span.src_head, span.num_heads))
+            except LayoutError as exc:
+                raise PullFailed(str(exc)) from exc
+            if len(self._run_cache) > 4096:
+                self._run_cache.clear()
+            self._run_cache[key] = runs
+        return runs
+
     def _addresses(self, req: PullRequest, pull: Any, hs: P.HandshakeReply) -> tuple[list[int], list[int], list[int]]:
+        """Byte ranges of ``pull``: every layer, every KV tensor of it, every logical block (each of
+        its kernel blocks), every head span; ranges contiguous on both sides are merged."""
         assert self.cache is not None
         cache = self.cache
+        self._check_peer(req.source, hs)
+        remote_parts = self._remote_parts(hs)
         remote_index = {name: i for i, name in enumerate(hs.layer_names)}
         local_ids = req.local_block_ids[0]
         remote_ids = req.source.block_ids
+        ratio = cache.kernel_blocks_per_block
         local: list[int] = []
         remote: list[int] = []
         lengths: list[int] = []
@@ -633,26 +770,30 @@ class MooncakeWorker:
             ri = remote_index.get(name)
             if ri is None:
                 raise PullFailed(f"layer {name} missing on the prefill")
-            l_head = cache.block_bytes[li] // cache.heads_on_rank
-            r_head = hs.block_bytes[ri] // hs.heads_on_rank
-            if l_head != r_head:
-                raise PullFailed(f"layer {name}: {l_head} bytes per head here vs {r_head} on the prefill")
+            lparts, rparts = cache.layer_parts(li), remote_parts[ri]
+            if len(lparts) != len(rparts):
+                raise PullFailed(f"layer {name}: {len(lparts)} KV tensors here vs {len(rparts)} on the prefill")
             for src_pos, dst_pos in pull.blocks:
                 if src_pos >= len(remote_ids) or dst_pos >= len(local_ids):
                     raise PullFailed(f"block position {src_pos}/{dst_pos} outside the request's blocks")
                 r_block, l_block = remote_ids[src_pos], local_ids[dst_pos]
-                if not (0 <= r_block < hs.num_blocks and 0 <= l_block < cache.num_blocks):
-                    raise PullFailed(f"block id {r_block}/{l_block} outside the KV cache")
-                for span in pull.spans:
-                    r = hs.base_addresses[ri] + r_block * hs.block_bytes[ri] + span.src_head * r_head
-                    loc = cache.base_addresses[li] + l_block * cache.block_bytes[li] + span.dst_head * l_head
-                    n = span.num_heads * l_head
-                    if lengths and remote[-1] + lengths[-1] == r and local[-1] + lengths[-1] == loc:
-                        lengths[-1] += n  # contiguous on both sides: one bigger transfer
-                    else:
-                        remote.append(r)
-                        local.append(loc)
-                        lengths.append(n)
+                for lp, rp in zip(lparts, rparts):
+                    if not (r_block >= 0 and (r_block + 1) * ratio <= rp.num_blocks
+                            and l_block >= 0 and (l_block + 1) * ratio <= lp.num_blocks):
+                        raise PullFailed(f"block id {r_block}/{l_block} outside the KV cache")
+                    for span in pull.spans:
+                        runs = self._paired_runs(lp, rp, span)
+                        for k in range(ratio):  # kernel blocks of the logical block, in order
+                            l_base = lp.base + (l_block * ratio + k) * lp.block_stride_bytes
+                            r_base = rp.base + (r_block * ratio + k) * rp.block_stride_bytes
+                            for lo, ro, n in runs:
+                                loc, r = l_base + lo, r_base + ro
+                                if lengths and remote[-1] + lengths[-1] == r and local[-1] + lengths[-1] == loc:
+                                    lengths[-1] += n  # contiguous on both sides: one bigger transfer
+                                else:
+                                    remote.append(r)
+                                    local.append(loc)
+                                    lengths.append(n)
         return local, remote, lengths
 
     def _keep_alive(self, source: RemoteSource) -> None:

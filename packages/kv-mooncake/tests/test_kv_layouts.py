@@ -1,0 +1,186 @@
+"""Region and offset arithmetic of every KV layout the connector accepts, against a byte-exact copy.
+
+No GPU here: the device layouts (CUDA ``[2, blocks, block, heads, dim]`` in either stride order,
+FlashInfer ``[blocks, 2, block, heads, dim]``, vllm-ascend's separate K and V tensors, MLA's
+``[blocks, block, dim]``, a kernel block smaller than the logical block) are CPU tensors of those
+shapes. The pull's byte ranges come from the worker's own arithmetic (``_addresses``) and are copied
+with ``ctypes.memmove`` in place of the TransferEngine (whose reads are tested on their own); the
+decode's KV must then equal the prefill's, element for element, for the heads and blocks it owns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import msgspec
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kv_mooncake import protocol as P  # noqa: E402
+from kv_mooncake.config import MooncakeConfig  # noqa: E402
+from kv_mooncake.metadata import PullRequest, RemoteSource  # noqa: E402
+from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, plan_pulls, request_seed  # noqa: E402
+from kv_mooncake.worker import MooncakeWorker, PullFailed  # noqa: E402
+
+HEADS, HEAD, LAYERS = 4, 8, 2
+
+
+class FakeTransferEngine:
+    """Stands in for the TE: these tests copy the planned ranges themselves, in process."""
+
+    rpc_address = "127.0.0.1:1"
+
+    def register(self, regions):
+        self.regions = regions
+
+    def close(self):
+        pass
+
+
+def _alloc(layout: str, heads: int, blocks: int, block: int, gen: torch.Generator, dtype=torch.float32):
+    """One layer's KV as vLLM / vllm-ascend allocate it; returns (value for kv_caches, canonical view).
+
+    The canonical view is ``[kv, blocks, tokens, heads, dim]`` (kv = 1 where K and V share a row)."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    if layout == "cpu":
+        t = rnd(blocks, heads, block, 2 * HEAD)
+        return t, t.permute(1, 0, 2, 3).unsqueeze(0).transpose(0, 1).permute(1, 2, 3, 0, 4)[None].squeeze(0)
+    if layout == "cuda":
+        t = rnd(2, blocks, block, heads, HEAD)
+        return t, t
+    if layout == "cuda_hnd":  # same logical shape, heads outside tokens in memory (stride order)
+        phys = rnd(2, blocks, heads, block, HEAD)
+        t = phys.permute(0, 1, 3, 2, 4)
+        return t, t
+    if layout == "flashinfer":
+        t = rnd(blocks, 2, block, heads, HEAD)
+        return t, t.transpose(0, 1)
+    if layout == "separate":
+        k, v = rnd(blocks, block, heads, HEAD), rnd(blocks, block, heads, HEAD)
+        return (k, v), None  # stacked when read (a stack is a copy)
+    if layout == "mla":
+        t = rnd(blocks, block, 3 * HEAD)
+        return t, t[None, :, :, None, :]
+    raise AssertionError(layout)
+
+
+def _canonical_cpu(t):
+    # [blocks, heads, block, 2*dim] -> [1, blocks, block, heads, 2*dim]
+    return t.permute(0, 2, 1, 3)[None]
+
+
+def _worker(engine_id, heads_on_rank, total_heads, block_size, use_mla, tp=1, **base):
+    compat = {"model": "m", "heads_on_rank": heads_on_rank, "head_size": HEAD, "block_size": block_size,
+              "cache_dtype": "float32", **base}
+    return MooncakeWorker(MooncakeConfig(), engine_id=engine_id, is_producer=False, is_consumer=False,
+                          side_channel_port=1, total_kv_heads=total_heads, use_mla=use_mla,
+                          prefill_layout=PrefillLayout(tp_size=tp, total_kv_heads=total_heads, use_mla=use_mla),
+                          compatibility_base=compat, engine_factory=FakeTransferEngine)
+
+
+def _caches(layout, heads, blocks, block, seed):
+    gen = torch.Generator().manual_seed(seed)
+    values, views = {}, {}
+    for i in range(LAYERS):
+        value, view = _alloc(layout, heads, blocks, block, gen)
+        if layout == "cpu":
+            view = _canonical_cpu(value)
+        values[f"model.layers.{i}.self_attn"], views[f"model.layers.{i}.self_attn"] = value, view
+    return values, views
+
+
+def _view(value, view):
+    return torch.stack(list(value)) if view is None else view
+
+
+CASES = [  # layout, logical block, kernel block
+    ("cpu", 16, 16),
+    ("cuda", 16, 16),
+    ("cuda_hnd", 16, 16),
+    ("flashinfer", 16, 16),
+    ("separate", 16, 16),
+    ("mla", 16, 16),
+    ("cuda", 32, 16),  # vLLM split each 32-token block into two kernel blocks of 16
+    ("cpu", 16, 8),
+]
+
+
+@pytest.mark.parametrize("layout,logical,kernel", CASES)
+@pytest.mark.parametrize("decode_tp", [1, 2, 4])
+def test_pulled_bytes_equal_the_prefill_kv(layout, logical, kernel, decode_tp):
+    use_mla = layout == "mla"
+    heads = 1 if use_mla else HEADS
+    ratio = logical // kernel
+    num_logical = 6
+    p_vals, p_views = _caches(layout, heads, num_logical * ratio, kernel, seed=1)
+    prefill = _worker("P", heads, heads, logical, use_mla)
+    prefill.register_kv_caches(p_vals)
+    remote_ids = [4, 1, 5]  # the prefill's block table for the request (3 logical blocks)
+    local_ids = [2, 0, 3]
+    for d_rank in range(decode_tp):
+        d_heads = 1 if use_mla else heads // decode_tp
+        d_vals, d_views = _caches(layout, d_heads, num_logical * ratio, kernel, seed=2 + d_rank)
+        decode = _worker("D", d_heads, heads, logical, use_mla, tp=decode_tp)
+        decode.decode_rank, decode.decode_layout = DecodeRank(d_rank), DecodeLayout(decode_tp)
+        decode.register_kv_caches(d_vals)
+        hs = prefill.handle(P.Handshake(engine_id="P", compatibility=decode.compatibility, reader_id="d"))
+        assert isinstance(hs, P.HandshakeReply), hs
+        # The reply crosses the wire as msgpack: use what the decode would decode.
+        hs = msgspec.msgpack.decode(msgspec.msgpack.encode(hs), type=P.HandshakeReply)
+        source = RemoteSource(engine_id="P", host="127.0.0.1", port=1, request_id="r", block_ids=remote_ids)
+        req = PullRequest(request_id="r", source=source, local_block_ids=[local_ids], num_blocks=3, skip_blocks=0)
+        layout_p = PrefillLayout(tp_size=1, total_kv_heads=heads, use_mla=use_mla)
+        for pull in plan_pulls(layout_p, DecodeLayout(decode_tp), DecodeRank(d_rank), 3, 0, request_seed("r")):
+            local, remote, lengths = decode._addresses(req, pull, hs)
+            for dst, src, n in zip(local, remote, lengths):
+                ctypes.memmove(dst, src, n)
+        first = d_rank * d_heads if not use_mla else 0
+        for name in p_views:
+            pv = _view(p_vals[name], p_views[name]).unflatten(1, (num_logical, ratio)).flatten(2, 3)  # logical blocks
+            dv = _view(d_vals[name], d_views[name]).unflatten(1, (num_logical, ratio)).flatten(2, 3)
+            for r_block, l_block in zip(remote_ids, local_ids):
+                want = pv[:, r_block, :, first:first + d_heads]
+                got = dv[:, l_block, :, :]
+                assert torch.equal(got, want), (name, layout, d_rank, r_block, l_block)
+            untouched = [b for b in range(num_logical) if b not in local_ids]
+            f_vals, f_views = _caches(layout, d_heads, num_logical * ratio, kernel, seed=2 + d_rank)
+            fresh = _view(f_vals[name], f_views[name]).unflatten(1, (num_logical, ratio)).flatten(2, 3)
+            assert torch.equal(dv[:, untouched], fresh[:, untouched]), "bytes written outside the pulled blocks"
+
+
+def test_unknown_layout_is_refused_at_registration():
+    w = _worker("P", HEADS, HEADS, 16, False)
+    with pytest.raises(ValueError, match=r"not a layout MooncakeConnectorV1 knows"):
+        w.register_kv_caches({"l0": torch.zeros(4, 16, HEADS * HEAD)})  # [blocks, block, heads*dim]
+
+
+def test_kernel_block_that_does_not_tile_the_logical_block_is_refused():
+    w = _worker("P", HEADS, HEADS, 24, False)
+    with pytest.raises(ValueError, match="block_size=24"):
+        w.register_kv_caches({"l0": torch.zeros(2, 4, HEADS, 16, 2 * HEAD)[:, 0]})
+
+
+def test_layouts_that_differ_are_refused_at_the_handshake():
+    prefill = _worker("P", HEADS, HEADS, 16, False)
+    prefill.register_kv_caches(_caches("cuda", HEADS, 4, 16, 1)[0])
+    decode = _worker("D", HEADS, HEADS, 16, False)
+    decode.register_kv_caches(_caches("cuda_hnd", HEADS, 4, 16, 1)[0])
+    reply = prefill.handle(P.Handshake(engine_id="P", compatibility=decode.compatibility, reader_id="d"))
+    assert isinstance(reply, P.Refused) and "layout:" in reply.reason, reply
+
+
+def test_prefill_parallel_sizes_must_match_kv_transfer_params():
+    prefill = _worker("P", 2, HEADS, 16, False, tp=2)
+    prefill.register_kv_caches(_caches("cpu", 2, 4, 16, 1)[0])
+    decode = _worker("D", HEADS, HEADS, 16, False)
+    decode.register_kv_caches(_caches("cpu", HEADS, 4, 16, 2)[0])
+    hs = prefill.handle(P.Handshake(engine_id="P", compatibility=decode.compatibility, reader_id="d"))
+    assert isinstance(hs, P.HandshakeReply)
+    source = RemoteSource(engine_id="P", host="h", port=1, request_id="r", block_ids=[0], tp_size=1)  # stale
+    req = PullRequest(request_id="r", source=source, local_block_ids=[[0]], num_blocks=1, skip_blocks=0)
+    pull = plan_pulls(PrefillLayout(1, HEADS), DecodeLayout(1), DecodeRank(0), 1)[0]
+    with pytest.raises(PullFailed, match=r"TP/PCP/DCP \(1, 1, 1\), it runs \(2, 1, 1\)"):
+        decode._addresses(req, pull, hs)
