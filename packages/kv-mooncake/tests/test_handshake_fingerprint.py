@@ -140,3 +140,21 @@ def test_unsupported_parallel_settings_are_refused_naming_the_setting(over, cons
 ])
 def test_supported_parallel_settings_pass(over, consumer):
     assert unsupported_settings(config_fingerprint(_vllm_config(**over)), is_consumer=consumer) == []
+
+
+@pytest.mark.parametrize("over,role,needle", [
+    ({"pp": 2}, "kv_producer", "pipeline_parallel_size=2"),
+    ({"dcp": 2, "interleave": 1}, "kv_consumer", "set cp_kv_cache_interleave_size=16"),
+])
+def test_connector_refuses_at_start_up(over, role, needle):
+    pytest.importorskip("vllm")
+    from kv_mooncake.connector import MooncakeConnectorV1
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    cfg = _vllm_config(**over)
+    cfg.parallel_config.data_parallel_rank = 0
+    cfg.kv_transfer_config = SimpleNamespace(
+        kv_connector_extra_config={}, engine_id="e", kv_port=20000,
+        is_kv_producer=role != "kv_consumer", is_kv_consumer=role != "kv_producer")
+    with pytest.raises(ValueError, match=needle):
+        MooncakeConnectorV1(cfg, KVConnectorRole.SCHEDULER, None)

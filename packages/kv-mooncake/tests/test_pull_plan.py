@@ -38,6 +38,7 @@ def layouts(draw):
     pcp = draw(st.integers(1, 4))
     p_dcp, d_dcp = draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 2, 4, 8]))
     assume(p_tp * pcp <= 16)
+    assume(pcp == 1 or p_dcp == 1)  # PCP with DCP is refused (test_pcp_with_dcp_is_refused)
     assume(_valid(heads, p_tp, p_dcp, use_mla) and _valid(heads, d_tp, d_dcp, use_mla))
     prefill = PrefillLayout(tp_size=p_tp, total_kv_heads=heads, pcp_size=pcp, dcp_size=p_dcp, use_mla=use_mla)
     decode = DecodeLayout(tp_size=d_tp, dcp_size=d_dcp)
@@ -151,3 +152,18 @@ def test_gqa_dcp_group_must_sit_inside_one_heads_replicas():
 
 def decode_rank(t):
     return DecodeRank(t)
+
+
+def test_pcp_with_dcp_is_refused():
+    with pytest.raises(PlanError, match="PCP 2 with DCP 2"):
+        plan_pulls(PrefillLayout(tp_size=2, total_kv_heads=1, pcp_size=2, dcp_size=2, use_mla=True),
+                   DecodeLayout(1), DecodeRank(0), 1)
+
+
+def test_pcp_ranks_are_replicas_spread_over_decode_ranks():
+    # vLLM 0.32 keeps the whole KV on every PCP rank: each decode rank reads every block from one.
+    prefill, decode = PrefillLayout(tp_size=1, total_kv_heads=2, pcp_size=2), DecodeLayout(tp_size=2)
+    pulls = {r.tp_rank: plan_pulls(prefill, decode, r, num_blocks=3, seed=0) for r in decode.ranks()}
+    assert {t: [(p.source.pcp_rank, p.blocks) for p in ps] for t, ps in pulls.items()} == {
+        0: [(0, ((0, 0), (1, 1), (2, 2)))], 1: [(1, ((0, 0), (1, 1), (2, 2)))]
+    }

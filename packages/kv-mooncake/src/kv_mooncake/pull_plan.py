@@ -5,17 +5,20 @@ so a run of heads inside one block is one contiguous byte range.
 
 * Ranks: an instance has ``tp * pcp`` ranks. Decode context parallelism (DCP) adds no ranks: as in
   vLLM, it reuses the TP ranks, and TP rank ``t`` is DCP rank ``t % dcp`` (DCP groups are runs of
-  consecutive TP ranks).
+  consecutive TP ranks: ``parallel_state`` reshapes the TP ranks into groups of ``dcp``).
 * Heads: with ``H`` KV heads in total and TP size ``T``, rank ``r`` holds heads
   ``[r*H/T, (r+1)*H/T)`` when ``H >= T``; when ``H < T`` (GQA with more ranks than heads) it holds the
   single head ``r // (T/H)``, replicated on ``T/H`` consecutive ranks. DCP shards tokens over those
   replicas, so a DCP group must sit inside one head's replicas (vLLM requires ``T > H`` for GQA
   DCP). MLA keeps one latent "head" on every rank.
-* Tokens: context parallelism shards whole blocks round-robin (vLLM's block-level interleave,
-  ``cp_kv_cache_interleave_size == block_size``). A prefill rank holds token shard
-  ``pcp_rank * dcp + dcp_rank`` of ``Cp = pcp * dcp``: logical block ``b`` of a request is in shard
-  ``b % Cp`` at position ``b // Cp`` of the request's block list (the block table is shared by the
-  shard's ranks), and belongs to decode DCP rank ``b % Dcp`` at position ``b // Dcp``.
+* Tokens: DCP shards whole blocks round-robin (vLLM's block-level interleave,
+  ``cp_kv_cache_interleave_size == block_size``; start-up refuses any other interleave with DCP,
+  ``fingerprint.unsupported_settings``). Logical block ``b`` (``block_size`` tokens) of a request
+  is on DCP rank ``b % Dcp`` at position ``b // Dcp`` of the request's block list (vLLM's
+  scheduler block is ``block_size * dcp`` tokens, its table shared by the DCP ranks), on both sides.
+* PCP (vLLM 0.32, without DCP): every PCP rank keeps a full replica of the KV (the slot mapping
+  spreads tokens over the DCP group only); the source PCP rank is picked like a replica below.
+  PCP together with DCP is refused.
 * Replicas: when several prefill ranks hold the same head and shard (GQA replicas, or MLA), the
   source is chosen from a seed both instances derive from the request id, so the prefill and every
   decode rank agree without talking, and the load spreads over the replicas.
@@ -59,8 +62,8 @@ class PrefillLayout:
 
     @property
     def cp_size(self) -> int:
-        """Token shards: every (pcp rank, dcp rank) pair holds one."""
-        return self.pcp_size * self.dcp_size
+        """Token shards: the DCP ranks (PCP ranks are full replicas in vLLM 0.32)."""
+        return self.dcp_size
 
     @property
     def world_size(self) -> int:
@@ -70,7 +73,7 @@ class PrefillLayout:
         return [PrefillRank(t, p) for p in range(self.pcp_size) for t in range(self.tp_size)]
 
     def shard_of(self, rank: PrefillRank) -> int:
-        return rank.pcp_rank * self.dcp_size + rank.tp_rank % self.dcp_size
+        return rank.tp_rank % self.dcp_size
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,9 @@ def validate(prefill: PrefillLayout, decode: DecodeLayout) -> None:
             raise PlanError("total_kv_heads must be >= 1")
         heads_of_rank(prefill.total_kv_heads, prefill.tp_size, 0)
         heads_of_rank(prefill.total_kv_heads, decode.tp_size, 0)
+    if prefill.pcp_size > 1 and prefill.dcp_size > 1:
+        raise PlanError(f"prefill: PCP {prefill.pcp_size} with DCP {prefill.dcp_size} (vLLM then shards "
+                        "tokens over PCP and TP ranks together; only PCP without DCP is supported)")
     heads = prefill.total_kv_heads
     _validate_dcp("prefill", prefill.tp_size, prefill.dcp_size, heads, prefill.use_mla)
     _validate_dcp("decode", decode.tp_size, decode.dcp_size, heads, prefill.use_mla)
@@ -205,8 +211,10 @@ def plan_pulls(
         if block % decode.dcp_size == my_dcp:
             blocks_by_shard.setdefault(block % cp, []).append((block // cp, block // decode.dcp_size))
     pulls = []
+    # PCP replicas: spread the decode ranks over them (the same choice on every instance).
+    pcp_rank = (seed + rank.tp_rank) % prefill.pcp_size
     for shard in sorted(blocks_by_shard):
-        pcp_rank, dcp_rank = divmod(shard, prefill.dcp_size)
+        dcp_rank = shard
         spans = _head_spans(prefill, decode, rank.tp_rank, dcp_rank, seed)
         for src_tp in sorted(spans):
             pulls.append(RankPull(PrefillRank(src_tp, pcp_rank), tuple(spans[src_tp]),
