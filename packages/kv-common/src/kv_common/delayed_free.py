@@ -9,14 +9,15 @@ or on abort. ``free_fn`` runs exactly once per request, outside the lock.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-logger = logging.getLogger(__name__)
+from kv_common.logging_utils import get_logger
+
+logger = get_logger(__name__)
 
 FreeReason = Literal["done", "expired", "aborted"]
 

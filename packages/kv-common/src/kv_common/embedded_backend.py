@@ -10,7 +10,6 @@ carries a header (magic, length, crc32) so a truncated or corrupt file reads as 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import struct
 import threading
@@ -21,8 +20,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kv_common.backend import Backend
+from kv_common.logging_utils import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _MAGIC = b"KVCEMB01"
 _HEADER = struct.Struct("<8sQI")  # magic, payload length, crc32 of payload

@@ -23,7 +23,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 
-logger = logging.getLogger(__name__)
+from kv_common.logging_utils import get_logger
+
+logger = get_logger(__name__)
 
 ENTRY_POINT_GROUP = "kv_common.connectors"
 VLLM_PLUGIN_GROUP = "vllm.general_plugins"

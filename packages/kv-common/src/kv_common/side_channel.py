@@ -8,7 +8,6 @@ so a bad or silent peer costs one warning, not a hung engine.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -19,7 +18,9 @@ from typing import Any, Union
 import msgspec
 import zmq
 
-logger = logging.getLogger(__name__)
+from kv_common.logging_utils import get_logger
+
+logger = get_logger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 _POLL_MS = 50  # how often the server thread looks at its stop flag

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 
-logger = logging.getLogger(__name__)
+from kv_common.logging_utils import get_logger
+
+logger = get_logger(__name__)
 
 _INSTALL_HINT = (
     "the Mooncake TransferEngine cannot be imported ({exc}). On CPU: "

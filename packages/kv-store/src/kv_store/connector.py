@@ -6,16 +6,16 @@ reads and how to build its backend (``backend`` key -> ``kv_store.backends`` ent
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from kv_common.backend import Backend
+from kv_common.logging_utils import get_logger
 from kv_common.store_connector.connector import StoreConnectorBase
 
 from kv_store.backends import make_backend
 from kv_store.config import StoreConfig
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class AscendStoreConnector(StoreConnectorBase):

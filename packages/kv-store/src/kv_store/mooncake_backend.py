@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import logging
 import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from kv_common.backend import Backend, BackendError
+from kv_common.logging_utils import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900

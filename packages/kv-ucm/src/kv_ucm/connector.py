@@ -13,18 +13,18 @@ On a CPU host the store that moves data is UCM's ``Posix`` pipeline (local disk 
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
 from kv_common.backend import Backend
+from kv_common.logging_utils import get_logger
 from kv_common.store_connector.connector import StoreConnectorBase
 
 from kv_ucm.config import UCMConfig, UCMConfigError, UcmStoreSpec, resolve_store_spec
 from kv_ucm.ucm_backend import UcmBackend
 from kv_ucm.ucm_store import check_ucm_installation
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def expected_value_size(kv_cache_config: Any) -> int | None:

@@ -15,18 +15,18 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_common.backend import Backend
+from kv_common.logging_utils import get_logger
 
 from kv_ucm.block_ids import ucm_key_id
 from kv_ucm.ucm_store import UcmError, UcmStore
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _LOG_EVERY_S = 30.0
 

@@ -15,13 +15,13 @@ connector switches the scheduler to "recompute" so that a best-effort cache neve
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
 from kv_common.backend import Backend
 from kv_common.config import parse_extra_config
 from kv_common.failure_ledger import FailureLedger
+from kv_common.logging_utils import get_logger
 from kv_common.store_connector import keys as keys_mod
 from kv_common.store_connector.config import StoreConnectorConfig
 from kv_common.store_connector.scheduler import StoreScheduler
@@ -30,7 +30,7 @@ from kv_common.store_connector.vllm_metadata import StoreConnectorMetadata, Stor
 from kv_common.store_connector.worker import StoreWorker
 from kv_common.vllm_compat import base_module, forward_context_kv_caches, model_fingerprint, parallel_ranks
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 _base = base_module()
 
 

@@ -5,7 +5,6 @@ No torch here; the backend is only asked ``batch_exists``.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -15,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_common.backend import Backend
+from kv_common.logging_utils import get_logger
 from kv_common.store_connector import keys as keys_mod
 from kv_common.store_connector.config import StoreConnectorConfig
 from kv_common.store_connector.lookup import LookupBreaker, external_tokens, leading_present, loadable_blocks
 from kv_common.store_connector.metadata import BlockTransfer, StorePlan, StoreReport
 from kv_common.store_connector.stats import StoreStats
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MAX_EVENTS = 10_000  # events nobody drains are dropped oldest first
 MAX_TRACKED_BLOCKS = 100_000  # token ids kept for BlockStored events of saves in flight

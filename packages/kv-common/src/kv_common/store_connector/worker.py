@@ -29,7 +29,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import defaultdict
@@ -42,13 +41,14 @@ import torch
 
 from kv_common.backend import Backend
 from kv_common.failure_ledger import FailureLedger
+from kv_common.logging_utils import get_logger
 from kv_common.store_connector import codec
 from kv_common.store_connector import keys as keys_mod
 from kv_common.store_connector.config import StoreConnectorConfig
 from kv_common.store_connector.metadata import BlockTransfer, StorePlan, StoreReport
 from kv_common.store_connector.stats import StoreStats
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass

@@ -10,14 +10,13 @@ one never pulls blocks from under a decode.
 
 from __future__ import annotations
 
-import logging
-
 from kv_common import side_channel
+from kv_common.logging_utils import get_logger
 
 from kv_mooncake import protocol as P
 from kv_mooncake.pull_plan import PrefillLayout
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 READER_ID = "kv-mooncake-proxy"
 
