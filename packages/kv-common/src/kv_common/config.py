@@ -18,14 +18,15 @@ Two hooks on a config class:
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
-logger = logging.getLogger(__name__)
+from kv_common.logging_utils import get_logger
+
+logger = get_logger(__name__)
 
 
 class ConnectorConfigError(ValueError):

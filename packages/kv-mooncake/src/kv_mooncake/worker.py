@@ -12,7 +12,6 @@ deadline; a failure marks the request's blocks (all groups) as load errors so vL
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +24,7 @@ import msgspec
 from kv_common import side_channel
 from kv_common.delayed_free import DelayedFreeTracker
 from kv_common.failure_ledger import FailureLedger
+from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
 
 from kv_mooncake import protocol as P
@@ -43,7 +43,7 @@ from kv_mooncake.pull_plan import (
     request_seed,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _RECENT = 4096  # remembered freed / early-signalled requests (bounded)
 

@@ -30,7 +30,6 @@ Defaults added to the UCM store config (a key given by the user wins):
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,11 +37,12 @@ from typing import Any, ClassVar
 
 import msgspec
 from kv_common.config import parse_extra_config
+from kv_common.logging_utils import get_logger
 from kv_common.store_connector.config import StoreConnectorConfig
 
 from kv_ucm.ucm_store import DEFAULT_CONNECTOR_NAME, load_ucm_yaml
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Top-level keys of UCM's YAML that mean something only to UCM's own (CUDA/NPU) connector.
 _IGNORED_TOP_LEVEL = {
