@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from kv_common import vllm_compat
+from kv_common.logging_utils import get_logger
 
 from kv_mooncake.config import load_config
-from kv_mooncake.fingerprint import config_fingerprint, unsupported_settings
 from kv_mooncake.declared_layout import start_up_contradictions
+from kv_mooncake.fingerprint import config_fingerprint, unsupported_settings
 from kv_mooncake.metadata import MooncakeStep
 from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
 from kv_mooncake.scheduler import MooncakeScheduler, side_channel_base_port
 from kv_mooncake.worker import MooncakeWorker, check_kv_cache_groups
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _base = vllm_compat.base_module()
 

@@ -8,12 +8,12 @@ asynchronously; the worker pulls and reports it in ``finished_recving``.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from kv_common.logging_utils import get_logger
 from kv_common.metadata import KVTransferParams
 from kv_common.stats import TransferStatsBase
 
@@ -23,7 +23,7 @@ from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteS
 from kv_mooncake.prompt_identity import PARAM_KEY as PROMPT_DIGEST_KEY
 from kv_mooncake.prompt_identity import prompt_digest, same_prompt
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
