@@ -9,9 +9,12 @@ and prints each output with the bytes moved and the time. It exits non-zero when
 differ from a run without any connector, so it is a real check.
 
 CPU: each engine is pinned to its own cores (``VLLM_CPU_OMP_THREADS_BIND``; override with
-PROMPT_CPU_BIND / DECODE_CPU_BIND). Devices: PROMPT_DEVICE_ID / DECODE_DEVICE_ID pick the device of
-each engine (exported as CUDA_VISIBLE_DEVICES and ASCEND_RT_VISIBLE_DEVICES), and MOONCAKE_PROTOCOL
-the transport (rdma, ascend, nvlink). MODEL=<path> uses your model instead of the tiny random one.
+PROMPT_CPU_BIND / DECODE_CPU_BIND). Devices: PROMPT_DEVICE_ID / DECODE_DEVICE_ID list the devices of
+each engine, one per rank, as vllm-ascend's example does (``PROMPT_DEVICE_ID=0,1
+DECODE_DEVICE_ID=2,3``): the list's length is that engine's tensor-parallel size, and the list is
+exported as CUDA_VISIBLE_DEVICES and ASCEND_RT_VISIBLE_DEVICES. On CPU the entries are the cores of
+the ranks (rank i runs on core i of the list). MOONCAKE_PROTOCOL picks the transport (rdma, ascend,
+nvlink). MODEL=<path> uses your model instead of the tiny random one.
 """
 
 from __future__ import annotations
@@ -37,9 +40,31 @@ def _cpu_binds() -> tuple[str, str]:
     return span(cores[:half]), span(cores[half:])
 
 
-def _device_env(var: str) -> dict[str, str]:
-    dev = os.environ.get(var)
-    return {"CUDA_VISIBLE_DEVICES": dev, "ASCEND_RT_VISIBLE_DEVICES": dev} if dev else {}
+def engine_devices(value: str | None) -> list[str]:
+    """``"0,1"`` -> ``["0", "1"]``: the devices of one engine, one per TP rank (empty: unset)."""
+    devices = [d.strip() for d in (value or "").split(",") if d.strip()]
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"device list {value!r} names a device twice (one device per rank)")
+    return devices
+
+
+def engine_layout(var: str, default_bind: str, on_cpu: bool) -> tuple[int, dict[str, str], str]:
+    """(TP size, device environment, CPU binding) of the engine whose devices ``var`` lists."""
+    devices = engine_devices(os.environ.get(var))
+    if not devices:
+        return 1, {}, default_bind
+    listed = ",".join(devices)
+    env = {"CUDA_VISIBLE_DEVICES": listed, "ASCEND_RT_VISIBLE_DEVICES": listed}
+    # vLLM's CPU worker binds rank i to the i-th '|'-separated core list.
+    return len(devices), env, ("|".join(devices) if on_cpu else default_bind)
+
+
+def _on_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return True
+    return bool(current_platform.is_cpu())
 
 
 def make_prompts(n: int, block_size: int = 128, seed: int = 0) -> list[list[int]]:
@@ -83,25 +108,39 @@ def main(argv: list[str] | None = None) -> int:
     model = os.environ.get("MODEL") or str(cached_tiny_model())
     prompts = make_prompts(args.num_prompts)
     p_bind, d_bind = _cpu_binds()
-    p_bind = os.environ.get("PROMPT_CPU_BIND", p_bind)
-    d_bind = os.environ.get("DECODE_CPU_BIND", d_bind)
     common = dict(max_tokens=args.max_tokens, max_model_len=2048, kv_cache_bytes=256 << 20)
 
+    on_cpu = _on_cpu()
+    p_tp, p_env, p_bind = engine_layout("PROMPT_DEVICE_ID", p_bind, on_cpu)
+    d_tp, d_env, d_bind = engine_layout("DECODE_DEVICE_ID", d_bind, on_cpu)
+    p_bind = os.environ.get("PROMPT_CPU_BIND", p_bind)
+    d_bind = os.environ.get("DECODE_CPU_BIND", d_bind)
+
+    def tp_kwargs(tp: int) -> dict:
+        if tp == 1:
+            return {}
+        return {"extra_llm_kwargs": {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"},
+                "start_timeout_s": 600}
+
+    print(f"prefill: TP {p_tp} (devices {p_env.get('CUDA_VISIBLE_DEVICES', 'default')}, cores {p_bind}); "
+          f"decode: TP {d_tp} (devices {d_env.get('CUDA_VISIBLE_DEVICES', 'default')}, cores {d_bind})")
     prefill = EngineProcess(model, kv_transfer_config=connector_config("kv_producer", args.port),
-                            cpu_bind=p_bind, env=_device_env("PROMPT_DEVICE_ID"), name="prefill", **common)
+                            cpu_bind=p_bind, env=p_env, name="prefill", **tp_kwargs(p_tp), **common)
     decode = EngineProcess(model, kv_transfer_config=connector_config("kv_consumer", args.port + 100),
-                           cpu_bind=d_bind, env=_device_env("DECODE_DEVICE_ID"), name="decode", **common)
+                           cpu_bind=d_bind, env=d_env, name="decode", **tp_kwargs(d_tp), **common)
     t0 = time.perf_counter()
     prefill.start(wait=False)
     decode.start(wait=False)  # both engines start in parallel
     with prefill, decode:
-        print(f"engines ready in {time.perf_counter() - t0:.1f}s (prefill cores {p_bind}, decode cores {d_bind})")
+        print(f"engines ready in {time.perf_counter() - t0:.1f}s (prefill TP {p_tp}, cores {p_bind}; "
+              f"decode TP {d_tp}, cores {d_bind})")
         pre = prefill.generate(prompts, [{"kv_transfer_params": {"do_remote_decode": True}}] * len(prompts),
                                max_tokens=1)
         params = pre.kv_transfer_params
         if not all(params):
             print("prefill returned no kv_transfer_params: is MooncakeConnectorV1 installed?", file=sys.stderr)
             return 2
+        print(f"kv_transfer_params: prefill TP {params[0].get('remote_tp_size')} -> decode TP {d_tp}")
         # vLLM copies the prefill's own cache hits ("remote_prefill_cached_tokens") into the decode's
         # num_cached_tokens; drop it so the decode reports what it really loaded.
         forward = [{k: v for k, v in p.items() if k != "remote_prefill_cached_tokens"} for p in params]
