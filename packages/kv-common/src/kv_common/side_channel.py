@@ -85,7 +85,7 @@ def _decoder(types: tuple[type, ...], *, with_error: bool) -> msgspec.msgpack.De
     if not all_types or not all(isinstance(t, type) and issubclass(t, msgspec.Struct) for t in all_types):
         raise TypeError(f"side channel messages must be msgspec Structs, got {types!r}")
     if len(all_types) > 1:
-        untagged = [t.__name__ for t in all_types if t.__struct_config__.tag is None]
+        untagged = [t.__name__ for t in all_types if t.__struct_config__.tag is None]  # type: ignore[attr-defined]
         if untagged:
             raise TypeError(f"side channel Structs must be declared with tag=True: {', '.join(untagged)}")
     return msgspec.msgpack.Decoder(Union[all_types] if len(all_types) > 1 else all_types[0])

@@ -122,7 +122,7 @@ def make_vllm_stats_class(
     name: str,
     accumulator_cls: type[TransferStatsBase] = TransferStatsBase,
     module: str | None = None,
-) -> type:
+) -> Any:
     """A ``KVConnectorStats`` subclass whose ``data`` is ``accumulator_cls().to_dict()``.
 
     Bind it at module level under the same name (``MyStats = make_vllm_stats_class("MyStats")``)

@@ -10,7 +10,7 @@ from typing import Literal
 from kv_common.config import ConnectorConfig
 
 
-class StoreConnectorConfig(ConnectorConfig):
+class StoreConnectorConfig(ConnectorConfig, frozen=True):  # frozen like its base (said for mypy)
     # Lookup (scheduler side). "sync": answer within lookup_timeout_s (a late answer counts as a
     # miss). "async": answer "ask again later" while the lookup runs, so the scheduler never waits.
     lookup_mode: Literal["sync", "async"] = "sync"

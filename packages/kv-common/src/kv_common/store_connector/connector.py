@@ -75,7 +75,7 @@ def hash_seed_warning(hash_algo: str, environ: Any = None) -> str | None:
     return None
 
 
-class StoreConnectorBase(_base.KVConnectorBase_V1):
+class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined]  # vLLM's, at run time
     connector_name: str = "StoreConnector"
     config_type: type[StoreConnectorConfig] = StoreConnectorConfig
 

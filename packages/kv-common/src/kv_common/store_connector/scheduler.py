@@ -241,7 +241,7 @@ class StoreScheduler:
             if save is not None:
                 plan.saves.append(save)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
             if state is None:

@@ -68,9 +68,10 @@ class StoreStats(TransferStatsBase):
 
 _lock = threading.Lock()
 _vllm_class: type | None = None
+StoreConnectorStats: Any  # bound by vllm_stats_class(); module __getattr__ until then
 
 
-def vllm_stats_class() -> type:
+def vllm_stats_class() -> Any:
     """The ``KVConnectorStats`` subclass (created lazily: needs vLLM)."""
     global _vllm_class, StoreConnectorStats
     with _lock:

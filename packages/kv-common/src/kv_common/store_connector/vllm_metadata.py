@@ -10,7 +10,7 @@ from kv_common.vllm_compat import base_module
 _base = base_module()
 
 
-class StoreConnectorMetadata(_base.KVConnectorMetadata):
+class StoreConnectorMetadata(_base.KVConnectorMetadata):  # type: ignore[name-defined]
     """vLLM's metadata type wrapping the msgspec plan (vLLM pickles it between processes; the
     payload itself is msgpack bytes so nothing but plain data crosses)."""
 
@@ -32,7 +32,7 @@ class StoreConnectorMetadata(_base.KVConnectorMetadata):
         self._plan = None
 
 
-class StoreWorkerMetadata(_base.KVConnectorWorkerMetadata):
+class StoreWorkerMetadata(_base.KVConnectorWorkerMetadata):  # type: ignore[name-defined]
     def __init__(self, report: StoreReport) -> None:
         self.report = report
 

@@ -205,6 +205,7 @@ class StoreWorker:
                 span = (layer.blocks.data_ptr(), layer.blocks.numel())
                 if span not in seen:  # layers may share one allocation
                     seen.add(span)
+                    assert layer.flat is not None  # every layer has one (register_kv_caches)
                     self.backend.register_buffer(layer.flat)
                     self._registered_kv.append(layer.flat)
             for _ in range(2):
@@ -412,7 +413,7 @@ class StoreWorker:
                 results = [-1] * n
             seconds = time.perf_counter() - t0
             good, why = _count_intact(
-                results, lambda i, nbytes, values=values: codec.check_value(values[i], self.payload_size, nbytes)
+                results, lambda i, nbytes, values=values: codec.check_value(values[i], self.payload_size, nbytes)  # type: ignore[misc]
             )
             out.append(_Fetched(transfer, good, row, why, seconds))
             row += n
@@ -541,12 +542,12 @@ class StoreWorker:
         rounds = self._rounds(plan.loads, staging.slots)
         for k, round_loads in enumerate(rounds):
             todo = []
-            for part in round_loads:
-                if part.request_id in failed:
+            for load in round_loads:
+                if load.request_id in failed:
                     # an earlier part of this request failed: nothing after it is valid
-                    self.ledger.record_failed_load(part.request_id, part.block_ids)
+                    self.ledger.record_failed_load(load.request_id, load.block_ids)
                 else:
-                    todo.append(part)
+                    todo.append(load)
             fetched = self._fetch_bounded(todo, staging, deadline)
             if fetched is None:
                 self._fail_all([p for r in rounds[k:] for p in r], failed, "timeout")

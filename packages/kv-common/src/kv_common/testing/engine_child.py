@@ -101,8 +101,9 @@ def _generate(llm: Any, req: dict[str, Any], default_max_tokens: int) -> dict[st
         ttft = getattr(m, "first_token_latency", None) if m is not None else None
         ttft = float(ttft) if ttft else None
         e2e = None
-        if ttft is not None and getattr(m, "last_token_ts", 0) and getattr(m, "first_token_ts", 0):
-            e2e = ttft + float(m.last_token_ts - m.first_token_ts)
+        last, first = getattr(m, "last_token_ts", None), getattr(m, "first_token_ts", None)
+        if ttft is not None and last and first:
+            e2e = ttft + float(last - first)
         res["ttft_s"].append(ttft)
         res["e2e_s"].append(e2e)
     return res

@@ -23,7 +23,7 @@ KVConnectorMetadata = _base.KVConnectorMetadata
 KVConnectorRole = _base.KVConnectorRole
 
 
-class ProbeConnectorMetadata(KVConnectorMetadata):
+class ProbeConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc,valid-type]  # vLLM's, at run time
     """Trivial per-step metadata: which step of the scheduler built it and how many requests it saw."""
 
     def __init__(self, step: int, num_scheduled_reqs: int) -> None:
@@ -36,7 +36,7 @@ def _request_id(request: Any) -> str | None:
     return None if rid is None else str(rid)
 
 
-class KVCommonProbeConnector(KVConnectorBase_V1):
+class KVCommonProbeConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {})
