@@ -13,6 +13,7 @@ JSON lines on stdin:
   (``connector.get_num_new_matched_tokens``) collected since the last call, then cleared. Only
   meaningful in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the step runs the scheduler and
   the model in this process; with EngineCore in another process only the step times are collected
+* ``{"op": "leak_report"}``: with ``instrument``: each in-process connector side's ``leak_report()``
 * ``{"op": "ping"}``
 * ``{"op": "close"}`` (or EOF on stdin)
 
@@ -109,23 +110,61 @@ def _generate(llm: Any, req: dict[str, Any], default_max_tokens: int) -> dict[st
     return res
 
 
+# Connector hooks timed besides the lookup (benchmarks split scheduler-side from worker-side cost).
+_SCHEDULER_HOOKS = ("update_state_after_alloc", "build_connector_meta", "request_finished", "update_connector_output")
+_WORKER_LOAD_HOOKS = ("start_load_kv", "wait_for_layer_load", "get_finished")
+_WORKER_SAVE_HOOKS = ("save_kv_layer", "wait_for_save")
+
+
 class _Timers:
-    """Step and lookup timers wrapped around an in-process engine (opt-in: spec ``instrument``)."""
+    """Step, lookup and connector-hook timers wrapped around an in-process engine (opt-in: spec
+    ``instrument``); ``leak_report()`` asks both connector sides for theirs."""
 
     def __init__(self, llm: Any) -> None:
         self.steps: list[float] = []
         self.lookups: list[float] = []
+        self.sched_hooks: list[float] = []
+        self.worker_load: list[float] = []
+        self.worker_save: list[float] = []
         engine = llm.llm_engine
         engine.step = self._timed(engine.step, self.steps)
-        self.found = {"step": True, "lookup": False}
+        self.found = {"step": True, "lookup": False, "worker": False}
         # InprocClient -> EngineCore (absent with EngineCore in another process: no lookup timer)
         core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
         connector = getattr(getattr(core, "scheduler", None), "connector", None)
+        self.connectors: list[Any] = []
         if connector is not None:
             connector.get_num_new_matched_tokens = self._timed(
                 connector.get_num_new_matched_tokens, self.lookups
             )
+            self._wrap(connector, _SCHEDULER_HOOKS, self.sched_hooks)
+            self.connectors.append(connector)
             self.found["lookup"] = True
+            try:  # the worker side lives in this process too when the engine is in-process
+                from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+                if has_kv_transfer_group():
+                    worker = get_kv_transfer_group()
+                    self._wrap(worker, _WORKER_LOAD_HOOKS, self.worker_load)
+                    self._wrap(worker, _WORKER_SAVE_HOOKS, self.worker_save)
+                    self.connectors.append(worker)
+                    self.found["worker"] = True
+            except Exception:  # noqa: BLE001 - timers are best effort
+                traceback.print_exc()
+
+    def _wrap(self, obj: Any, names: tuple[str, ...], sink: list[float]) -> None:
+        for name in names:
+            fn = getattr(obj, name, None)
+            if callable(fn):
+                setattr(obj, name, self._timed(fn, sink))
+
+    def leak_report(self) -> list[dict[str, int] | None]:
+        """Each connector side's ``leak_report()`` (None where it has none)."""
+        out = []
+        for c in self.connectors:
+            fn = getattr(c, "leak_report", None)
+            out.append(dict(fn()) if callable(fn) else None)
+        return out
 
     @staticmethod
     def _timed(fn: Any, sink: list[float]) -> Any:
@@ -139,9 +178,10 @@ class _Timers:
         return timed
 
     def take(self) -> dict[str, list[float]]:
-        res = {"step_s": list(self.steps), "lookup_s": list(self.lookups)}
-        self.steps.clear()
-        self.lookups.clear()
+        res = {"step_s": list(self.steps), "lookup_s": list(self.lookups), "sched_hook_s": list(self.sched_hooks),
+               "worker_load_s": list(self.worker_load), "worker_save_s": list(self.worker_save)}
+        for sink in (self.steps, self.lookups, self.sched_hooks, self.worker_load, self.worker_save):
+            sink.clear()
         return res
 
 
@@ -203,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                 if timers is None:
                     raise RuntimeError("timings: start the engine with instrument=True")
                 _send(chan, {"ok": True, "result": timers.take()})
+            elif op == "leak_report":
+                if timers is None:
+                    raise RuntimeError("leak_report: start the engine with instrument=True")
+                _send(chan, {"ok": True, "result": {"connectors": timers.leak_report()}})
             elif op == "reset_prefix_cache":
                 _send(chan, {"ok": True, "result": {"reset": bool(llm.reset_prefix_cache())}})
             elif op == "ping":
