@@ -10,7 +10,7 @@ from kv_common.config import ConnectorConfig, parse_extra_config
 CONNECTOR_NAME = "MooncakeConnectorV1"
 
 
-class ParallelSizes(ConnectorConfig):
+class ParallelSizes(ConnectorConfig, frozen=True):  # frozen like its base (said for mypy)
     """vllm-ascend's ``prefill`` / ``decode`` keys: the parallel layout of that side.
 
     tp_size and pp_size are checked: at start-up against this instance's own layout (prefill
@@ -29,7 +29,7 @@ class ParallelSizes(ConnectorConfig):
     }
 
 
-class MooncakeConfig(ConnectorConfig):
+class MooncakeConfig(ConnectorConfig, frozen=True):
     side_channel_host: str = "127.0.0.1"
     # Base port of this instance's side channel (each worker rank listens on base + rank index).
     # None: vLLM's ``kv_port``. Instances that share a host need distinct bases.

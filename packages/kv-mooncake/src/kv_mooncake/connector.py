@@ -20,7 +20,7 @@ logger = get_logger(__name__)
 _base = vllm_compat.base_module()
 
 
-class MooncakeConnectorMetadata(_base.KVConnectorMetadata):
+class MooncakeConnectorMetadata(_base.KVConnectorMetadata):  # type: ignore[name-defined]  # vLLM's, at run time
     def __init__(self, step: MooncakeStep):
         self.step = step
 
@@ -46,7 +46,7 @@ def _kv_shape(vllm_config: Any, use_mla: bool) -> dict[str, int]:
         return {}
 
 
-class MooncakeConnectorV1(_base.KVConnectorBase_V1):
+class MooncakeConnectorV1(_base.KVConnectorBase_V1):  # type: ignore[name-defined]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_kv_cache_groups(kv_cache_config)

@@ -39,7 +39,7 @@ class PrefillRank(NamedTuple):
     tp_rank: int
     pcp_rank: int = 0
 
-    def index(self, layout: PrefillLayout) -> int:
+    def index(self, layout: PrefillLayout) -> int:  # type: ignore[override]  # not tuple.index
         """Offset of this rank's side-channel port from the instance's base port."""
         return self.pcp_rank * layout.tp_size + self.tp_rank
 
@@ -47,7 +47,7 @@ class PrefillRank(NamedTuple):
 class DecodeRank(NamedTuple):
     tp_rank: int
 
-    def index(self, layout: DecodeLayout) -> int:
+    def index(self, layout: DecodeLayout) -> int:  # type: ignore[override]
         return self.tp_rank
 
 

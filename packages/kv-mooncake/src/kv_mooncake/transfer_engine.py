@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kv_common.logging_utils import get_logger
 
@@ -82,7 +83,7 @@ class MooncakeTransferEngine:
             raise TransferError("register_memory", rc, f"{len(regions)} regions")
         self._registered.extend(addrs)
 
-    def register_tensors(self, tensors: Sequence[object]) -> None:
+    def register_tensors(self, tensors: Sequence[Any]) -> None:  # torch tensors
         self.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
 
     def _peer_lock(self, peer: str) -> threading.Lock:

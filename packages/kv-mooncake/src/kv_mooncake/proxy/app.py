@@ -57,7 +57,9 @@ def prefill_request_body(body: dict) -> dict:
     out["stream"] = False
     for key in ("stream_options", "min_tokens"):  # invalid without streaming / above max_tokens
         out.pop(key, None)
-    client_params = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else {}
+    client_params = body.get("kv_transfer_params")
+    if not isinstance(client_params, dict):
+        client_params = {}
     out["kv_transfer_params"] = {
         **client_params,
         "do_remote_decode": True,
