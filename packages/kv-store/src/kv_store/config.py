@@ -29,14 +29,14 @@ from kv_common.config import ConfigKeyError, ConnectorConfig, parse_extra_config
 from kv_common.store_connector.config import StoreConnectorConfig
 
 
-class EmbeddedOptions(ConnectorConfig):
+class EmbeddedOptions(ConnectorConfig, frozen=True):  # frozen like its base (said for mypy)
     capacity_bytes: int = 1 << 30
     spill_dir: str | None = None
     write_through: bool = True
     spill_capacity_bytes: int | None = None
 
 
-class MooncakeOptions(ConnectorConfig):
+class MooncakeOptions(ConnectorConfig, frozen=True):
     config_path: str | None = None
     master_server_address: str | None = None
     metadata_server: str | None = None
@@ -83,7 +83,7 @@ def installed_backends() -> list[str]:
     return sorted(names | set(BUILTIN_BACKENDS))
 
 
-class StoreConfig(StoreConnectorConfig):
+class StoreConfig(StoreConnectorConfig, frozen=True):
     backend: str = "embedded"
     embedded: EmbeddedOptions = EmbeddedOptions()
     mooncake: MooncakeOptions = MooncakeOptions()

@@ -169,7 +169,7 @@ class MooncakeBackend(Backend):
             return [-1] * len(keys)
         ptrs, sizes = self._part_addresses(parts)
         out: list[int] = []
-        if ptrs is None:
+        if ptrs is None or sizes is None:
             for key, bufs in zip(keys, parts, strict=True):
                 data = self._store.get(key)
                 total = sum(len(b) for b in bufs)

@@ -62,7 +62,7 @@ NO_STORE_MESSAGE = (
 )
 
 
-class UCMConfig(StoreConnectorConfig):
+class UCMConfig(StoreConnectorConfig, frozen=True):  # frozen like its base (said for mypy)
     # Path of UCM's YAML config (``ucm_connectors: [...]``).
     UCM_CONFIG_FILE: str | None = None
     # The same settings inline: a whole list, or one connector's name + config.

@@ -67,7 +67,7 @@ class UCMConnector(StoreConnectorBase):
     connector_name = "UCMConnector"
     config_type = UCMConfig
 
-    def make_backend(self, config: UCMConfig, role: Any) -> Backend:
+    def make_backend(self, config: UCMConfig, role: Any) -> Backend:  # type: ignore[override]  # its own config type
         check_ucm_installation()
         spec = resolve_store_spec(config)
         check_storage_backends(spec)

@@ -186,11 +186,11 @@ class UcmBackend(Backend):
         except (UcmError, ValueError, OSError) as exc:
             self._count("put_errors", 1)
             self._log("put", "UCM dump of %d block(s) failed: %s", len(keys), exc)
-        good = sum(results)
-        self._count("put_ok", good)
-        self._count("put_failed", len(keys) - good)
-        if good < len(keys):
-            self._log("put_failed", "UCM dump: %d of %d block(s) not stored", len(keys) - good, len(keys))
+        stored = sum(results)
+        self._count("put_ok", stored)
+        self._count("put_failed", len(keys) - stored)
+        if stored < len(keys):
+            self._log("put_failed", "UCM dump: %d of %d block(s) not stored", len(keys) - stored, len(keys))
         return results
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
