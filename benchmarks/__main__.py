@@ -179,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             head = "Whole report: " + head + "."
             if args.quick:
                 head += (
-                    "\n\n> **Quick mode**: fewer sizes, repetitions and requests than the full run; "
-                    "read the spreads, not just the medians. See each section's run line for the machine's load."
+                    "\n\n> **Quick mode**: fewer sizes, repetitions and requests than the full run; read the "
+                    "spreads, not just the medians, and each section's run line for the machine's load. A quick "
+                    "run shows that the benchmarks run and roughly where the targets stand; the figures to "
+                    "quote come from a full-mode run (`nox -s bench`) on a quiet machine."
                 )
         doc = skeleton(head)
     for name, s in sections:
