@@ -90,3 +90,28 @@ def test_documented_top_level_is_accepted_by_vllm(kind, entry):
     for config, ktc in zip(configs, built, strict=True):
         if "kv_port" in config:
             assert ktc.kv_port == int(config["kv_port"])  # "30000" as their docs write it
+
+
+def test_every_connector_names_its_start_up_parser():
+    from kv_common.doctor import config_parser
+
+    ours = [s for s in SPECS if not s.module.startswith("kv_common.testing")]
+    assert {s.class_name for s in ours} >= {"MooncakeConnectorV1", "AscendStoreConnector", "UCMConnector"}
+    for spec in ours:
+        assert spec.config_parser, f"{spec.name}: no config_parser for python -m kv_common doctor"
+        assert callable(config_parser(spec))
+
+
+@requires_vllm
+def test_store_connectors_parse_the_type_their_parser_parses():
+    # StoreConnectorBase parses kv_connector_extra_config as parse_extra_config(name, config_type, extra);
+    # the doctor's parser must be that very call.
+    from kv_store.config import StoreConfig
+    from kv_store.connector import AscendStoreConnector, MooncakeConnectorStoreV1
+    from kv_ucm.config import UCMConfig
+    from kv_ucm.connector import UCMConnector
+
+    assert AscendStoreConnector.config_type is StoreConfig and MooncakeConnectorStoreV1.config_type is StoreConfig
+    assert UCMConnector.config_type is UCMConfig
+    for name in ("AscendStoreConnector", "MooncakeConnectorStoreV1"):
+        assert isinstance(parse_connector_config(name, {"use_layerwise": "true"}, SPECS), StoreConfig)
