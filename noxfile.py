@@ -115,11 +115,12 @@ def e2e_ucm(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    """ruff, and import-linter: connector packages independent, kv-common imports none of them."""
-    session.install("ruff", "import-linter")
+    """ruff, import-linter (connector packages independent, kv-common imports none of them), mypy."""
+    session.install("ruff", "import-linter", "mypy", "msgspec")  # msgspec: its Struct typing
     session.install("--no-deps", *(_pkg(p) for p in PACKAGES))
     session.run("ruff", "check", "packages", "tests", "examples", "benchmarks", "noxfile.py")
     session.run("lint-imports")
+    session.run("mypy")  # packages/*/src, settings in pyproject.toml [tool.mypy]
 
 
 @nox.session(python="3.11")
