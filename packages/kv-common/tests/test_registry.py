@@ -62,6 +62,8 @@ def fake_factory(monkeypatch):
     monkeypatch.setattr(registry, "_warned", set())
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.delenv(registry.SHARED_NAMES_ENV, raising=False)
+    # Our loggers are under "vllm", which stops propagating once vLLM configured logging.
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
     use_entry_points(monkeypatch, [])
     return FakeConnectorFactory
 
@@ -235,13 +237,12 @@ def test_real_vllm_factory_leaves_example_connector(monkeypatch, caplog):
     factory_module = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.factory")
     monkeypatch.setattr(registry, "_registered", {})
     monkeypatch.setattr(registry, "_warned", set())
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)  # as in fake_factory
     with caplog.at_level(logging.WARNING, logger=registry.logger.name):
-        logging.getLogger(registry.logger.name).addHandler(caplog.handler)  # vLLM's logger may not propagate
         try:
             spec = ConnectorSpec("kv_mine.Mine", "kv_mine.c", "Mine", shared_names=("ExampleConnector",))
             assert register_with_vllm([spec]) == ["kv_mine.Mine"]
         finally:
-            logging.getLogger(registry.logger.name).removeHandler(caplog.handler)
             factory_module.KVConnectorFactory._registry.pop("kv_mine.Mine", None)
     assert re.search(r"'ExampleConnector'.*vLLM built-in.*example_connector.*'kv_mine\.Mine'", caplog.text)
     # vLLM's own mapping is untouched.
