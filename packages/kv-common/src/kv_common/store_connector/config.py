@@ -33,8 +33,12 @@ class StoreConnectorConfig(ConnectorConfig, frozen=True):  # frozen like its bas
     save: bool | None = None
     # Load from the store (None: when kv_role is kv_consumer or kv_both).
     load: bool | None = None
-    # End-to-end crc32 of every value (detects corrupt or foreign values in any backend).
+    # End-to-end xxh3-64 of every value (detects corrupt or foreign values in any backend).
     checksum: bool = True
+    # Keyed MAC for a store shared between users: the name of an environment variable holding a
+    # deployment secret (>= 16 bytes). Values are then sealed with BLAKE2b under that key and only
+    # values with a valid tag are loaded (costs ~1 GB/s of hashing). None: no MAC.
+    mac_key_env: str | None = None
     # Staging memory for gathers/scatters, per direction (registered with the backend).
     staging_bytes: int = 64 << 20
     # What a miss after a positive lookup does. "recompute": the connector sets vLLM's

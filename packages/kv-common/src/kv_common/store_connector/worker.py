@@ -132,6 +132,7 @@ class StoreWorker:
         self.layer_groups = dict(layer_groups or {})
         self.stats = stats if stats is not None else StoreStats()
         self.ledger = ledger if ledger is not None else FailureLedger()
+        self._mac_key = codec.mac_key_from_env(config.mac_key_env)  # fails at start-up when missing
         self._layers: list[_Layer] = []
         self._layer_index: dict[str, int] = {}
         self.payload_size = 0
@@ -321,7 +322,7 @@ class StoreWorker:
                 self._gather(staging, sub, 0, n)
             values = staging.values(n)
             for value in values:
-                codec.write_trailer(value, self.payload_size, self.config.checksum)
+                codec.write_trailer(value, self.payload_size, self.config.checksum, self._mac_key)
             t0 = time.perf_counter()
             try:
                 ok = self.backend.batch_put([keys[i] for i in idx], values)
@@ -353,7 +354,7 @@ class StoreWorker:
                     return
                 for slot, i in enumerate(idx):
                     parts = self._block_parts(transfer, i, trailers, slot)
-                    codec.seal_parts(parts[:-1], parts[-1], self.config.checksum)
+                    codec.seal_parts(parts[:-1], parts[-1], self.config.checksum, self._mac_key)
                     values.append(parts)
             t0 = time.perf_counter()
             try:
@@ -413,7 +414,7 @@ class StoreWorker:
                 results = [-1] * n
             seconds = time.perf_counter() - t0
             good, why = _count_intact(
-                results, lambda i, nbytes, values=values: codec.check_value(values[i], self.payload_size, nbytes)  # type: ignore[misc]
+                results, lambda i, nbytes, values=values: codec.check_value(values[i], self.payload_size, nbytes, self._mac_key)  # type: ignore[misc]
             )
             out.append(_Fetched(transfer, good, row, why, seconds))
             row += n
@@ -515,7 +516,7 @@ class StoreWorker:
             results = [-1] * n
         seconds = time.perf_counter() - t0
         good, why = _count_intact(
-            results, lambda i, nbytes: codec.check_parts(values[i][:-1], values[i][-1], nbytes)
+            results, lambda i, nbytes: codec.check_parts(values[i][:-1], values[i][-1], nbytes, self._mac_key)
         )
         self._record_get(transfer, good, why, seconds)
         return good
