@@ -134,3 +134,10 @@ def test_engine_missing_for_a_backend_whose_module_is_absent(tmp_path):
     problems = _problems(json.loads(out.stdout)["checks"])
     assert len(problems) == 1 and "backend 'ghost' (kv_ghost_backend_module:make)" in problems[0]
     assert "does not import: ModuleNotFoundError" in problems[0]
+
+
+def test_backend_named_as_module_factory_is_checked_for_import(capsys):
+    rc, checks = _doctor(capsys, _pool(backend="kv_no_such_backend_module:make"))
+    assert rc == 1
+    (problem,) = _problems(checks)
+    assert "backend 'kv_no_such_backend_module:make'" in problem and "does not import" in problem

@@ -161,6 +161,9 @@ def _preflight(config: StoreConfig) -> Any:
         if ep.name == config.backend and ep.name not in BUILTIN_BACKENDS:
             module, _, attribute = ep.value.partition(":")
             plan.modules.append((module, attribute.split(".")[0], f"backend {ep.name!r} ({ep.value})"))
+    if ":" in config.backend:  # a factory named directly ("pkg.module:factory")
+        module, _, attribute = config.backend.partition(":")
+        plan.modules.append((module, attribute.split(".")[0], f"backend {config.backend!r}"))
     for key in ("lookup_rpc_port", "mooncake_rpc_port"):
         if getattr(config, key) is not None:
             plan.notes.append(f"{key} is not checked: nothing listens on it here")
