@@ -25,16 +25,16 @@ _ASCEND_MULTI = "vllm_ascend.distributed.kv_transfer.ascend_multi_connector"
 
 # shared name -> (what vllm-ascend maps it to, the name that always selects ours)
 SHARED = {
-    "MooncakeConnectorV1": ((_ASCEND_P2P, "MooncakeConnector"), "kv_mooncake.MooncakeConnectorV1"),
-    "MooncakeConnectorStoreV1": ((_ASCEND_STORE, "AscendStoreConnector"), "kv_store.MooncakeConnectorStoreV1"),
-    "AscendStoreConnector": ((_ASCEND_STORE, "AscendStoreConnector"), "kv_store.AscendStoreConnector"),
-    "UCMConnector": ((_ASCEND_UCM, "UCMConnectorV1"), "kv_ucm.UCMConnector"),
+    "MooncakeConnectorV1": ((_ASCEND_P2P, "MooncakeConnector"), "KvMooncakeConnectorV1"),
+    "MooncakeConnectorStoreV1": ((_ASCEND_STORE, "AscendStoreConnector"), "KvAscendStoreConnector"),
+    "AscendStoreConnector": ((_ASCEND_STORE, "AscendStoreConnector"), "KvAscendStoreConnector"),
+    "UCMConnector": ((_ASCEND_UCM, "UCMConnectorV1"), "KvUCMConnector"),
 }
+# Our own names; each is the __name__ of its class (vLLM's MultiConnector finds classes by that).
 OURS = {
-    "kv_mooncake.MooncakeConnectorV1": ("kv_mooncake.connector", "MooncakeConnectorV1"),
-    "kv_store.AscendStoreConnector": ("kv_store.connector", "AscendStoreConnector"),
-    "kv_store.MooncakeConnectorStoreV1": ("kv_store.connector", "MooncakeConnectorStoreV1"),
-    "kv_ucm.UCMConnector": ("kv_ucm.connector", "UCMConnector"),
+    "KvMooncakeConnectorV1": ("kv_mooncake.connector", "KvMooncakeConnectorV1"),
+    "KvAscendStoreConnector": ("kv_store.connector", "KvAscendStoreConnector"),
+    "KvUCMConnector": ("kv_ucm.connector", "KvUCMConnector"),
 }
 
 
@@ -87,6 +87,9 @@ def fresh_vllm(monkeypatch):
         monkeypatch.setattr(registry, "_warned", set())
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.delenv("KV_COMMON_SHARED_NAMES", raising=False)
+    # Our loggers are under "vllm", which stops propagating once vLLM configured logging: caplog
+    # (on the root logger) sees our records either way.
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
     yield KVConnectorFactory
     KVConnectorFactory._registry.clear()
     KVConnectorFactory._registry.update(saved)
@@ -140,7 +143,7 @@ def test_shared_names_are_ours_without_vllm_ascend(fresh_vllm, monkeypatch):
     _use_plugins(monkeypatch, _our_plugins())
     load_general_plugins()
     for name, (_, own_name) in SHARED.items():
-        assert _target(fresh_vllm, name) == OURS[own_name], name
+        assert _target(fresh_vllm, name) == (OURS[own_name][0], name), name  # the class of that name
     for name, target in OURS.items():
         assert _target(fresh_vllm, name) == target
 
@@ -153,7 +156,7 @@ def test_vllm_ascend_disabled_by_vllm_plugins_leaves_names_to_us(fresh_vllm, mon
     _use_plugins(monkeypatch, [*_our_plugins(), FakeAscendPlugin()])
     load_general_plugins()
     for name, (_, own_name) in SHARED.items():
-        assert _target(fresh_vllm, name) == OURS[own_name], name
+        assert _target(fresh_vllm, name) == (OURS[own_name][0], name), name
 
 
 class FakeOtherPlugin:
@@ -181,3 +184,29 @@ def test_unknown_second_owner_escape_hatch(fresh_vllm, monkeypatch):
     assert "MooncakeConnectorV1" not in fresh_vllm._registry
     for name, target in OURS.items():
         assert _target(fresh_vllm, name) == target
+
+
+@pytest.mark.e2e
+def test_engine_runs_on_own_names_only_in_multiconnector(tiny_model, prompts, baseline_tokens, tmp_path):
+    """Our own names are all a config needs, inside vLLM's MultiConnector too (multiprocess engine:
+    the children's stats cross processes and are rebuilt by class name through the registry).
+
+    KV_COMMON_SHARED_NAMES=0, as a user next to vllm-ascend would run: the shared names are not
+    registered in any engine process, so the run can only have used the own names.
+    """
+    from kv_common.testing import assert_same_tokens, probe_config, read_probe_trace, run_engine_batches
+
+    trace = tmp_path / "trace"
+    store = {"kv_connector": "KvAscendStoreConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"backend": "embedded", "embedded": {"spill_dir": str(tmp_path / "spill")}}}
+    cfg = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"connectors": [store, probe_config(trace)]}}
+    turn1, turn2 = run_engine_batches(
+        tiny_model, [prompts, prompts], kv_transfer_config=cfg, max_tokens=16,
+        extra_llm_kwargs={"enable_prefix_caching": False},  # turn 2's hits can only come from the store
+        env={"KV_COMMON_SHARED_NAMES": "0"}, timeout_s=400,
+    )
+    assert_same_tokens(turn1, baseline_tokens)
+    assert_same_tokens(turn2, baseline_tokens)
+    assert any(n > 0 for n in turn2.num_cached_tokens), turn2.num_cached_tokens
+    assert {r["method"] for r in read_probe_trace(trace)} >= {"get_num_new_matched_tokens", "start_load_kv"}

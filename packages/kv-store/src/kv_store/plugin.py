@@ -3,20 +3,14 @@
 from kv_common.registry import ConnectorSpec, register_with_vllm
 
 SPECS = (
-    # Our own names always select these connectors; vllm-ascend's names are ours only while free.
+    # Our own name always selects this connector; vllm-ascend's names are ours only while free.
+    # Each name is the name of its class in the module (vLLM's MultiConnector needs that);
+    # MooncakeConnectorStoreV1 is the legacy name (that class logs a deprecation warning).
     ConnectorSpec(
-        "kv_store.AscendStoreConnector",
+        "KvAscendStoreConnector",
         "kv_store.connector",
-        "AscendStoreConnector",
-        shared_names=("AscendStoreConnector",),
-        config_parser="kv_store.config:parse_config",
-    ),
-    # Legacy name kept for vllm-ascend users; the class logs a deprecation warning.
-    ConnectorSpec(
-        "kv_store.MooncakeConnectorStoreV1",
-        "kv_store.connector",
-        "MooncakeConnectorStoreV1",
-        shared_names=("MooncakeConnectorStoreV1",),
+        "KvAscendStoreConnector",
+        shared_names=("AscendStoreConnector", "MooncakeConnectorStoreV1"),
         config_parser="kv_store.config:parse_config",
     ),
 )

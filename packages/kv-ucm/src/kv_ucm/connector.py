@@ -97,3 +97,9 @@ class UCMConnector(StoreConnectorBase):
         backend = self.backend
         if isinstance(backend, UcmBackend):
             backend.open(size)
+
+
+class KvUCMConnector(UCMConnector):
+    """This connector under our own name, which no other package registers (vllm-ascend and UCM use
+    ``UCMConnector``). A registered name is always its class's ``__name__``: vLLM's MultiConnector
+    looks a child's class up in the registry by that name."""
