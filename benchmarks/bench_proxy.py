@@ -60,7 +60,7 @@ def _server_command(role: str, http_port: int, kv_port: int, bind: str) -> str:
     if role == "kv_consumer":
         config["kv_load_failure_policy"] = "recompute"
     return (f"VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND={bind} python -m "
-            f"vllm.entrypoints.openai.api_server --model \"$MODEL\" --port {http_port} --enforce-eager "
+            f"vllm.entrypoints.openai.api_server --model \"$MODEL\" --port {http_port} --enforce-eager --dtype float32 "
             f"--kv-transfer-config '{json.dumps(config)}'")
 
 

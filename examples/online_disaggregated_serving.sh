@@ -43,13 +43,13 @@ echo "model $MODEL, logs in $LOGS"
 # 1. prefill instance
 start prefill <<'CMD'
 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0 python -m vllm.entrypoints.openai.api_server \
-  --model "$MODEL" --port "$PREFILL_PORT" --enforce-eager --kv-transfer-config \
+  --model "$MODEL" --port "$PREFILL_PORT" --enforce-eager --dtype float32 --kv-transfer-config \
   '{"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer", "kv_port": 17100}'
 CMD
 # 2. decode instance
 start decode <<'CMD'
 VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=1 python -m vllm.entrypoints.openai.api_server \
-  --model "$MODEL" --port "$DECODE_PORT" --enforce-eager --kv-transfer-config \
+  --model "$MODEL" --port "$DECODE_PORT" --enforce-eager --dtype float32 --kv-transfer-config \
   '{"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_consumer", "kv_port": 17200, "kv_load_failure_policy": "recompute"}'
 CMD
 wait_healthy prefill "$PREFILL_PORT"

