@@ -317,15 +317,17 @@ class Proxy:
                 raise PassThrough(response.status_code, await self._read_bounded(response),
                                   response.headers.get("content-type"))
             content = await response.aread()
+            try:
+                params = json.loads(content).get("kv_transfer_params")
+            except (ValueError, AttributeError) as exc:
+                raise _LegFailed("bad_answer", f"prefill answer is not a JSON object: {exc}") from exc
+            if not isinstance(params, dict):
+                raise _LegFailed("bad_answer", "prefill answered without kv_transfer_params "
+                                               "(is it started with a kv_producer / kv_both KV connector?)")
+            # Known at once: a client leaving from here on gets these blocks freed (FreeNow).
+            ex.params = params
         finally:
             await response.aclose()
-        try:
-            params = json.loads(content).get("kv_transfer_params")
-        except (ValueError, AttributeError) as exc:
-            raise _LegFailed("bad_answer", f"prefill answer is not a JSON object: {exc}") from exc
-        if not isinstance(params, dict):
-            raise _LegFailed("bad_answer", "prefill answered without kv_transfer_params "
-                                           "(is it started with a kv_producer / kv_both KV connector?)")
         return params
 
     async def _prefill(self, path: str, body: dict, ex: Exchange, tokens: int) -> dict:
