@@ -5,12 +5,18 @@ missing from memory is looked up as a file there. That is how two vLLM engines i
 processes share the embedded store (set ``write_through=True`` so puts reach the directory at once).
 Files are written to a temporary name and renamed, so readers see whole files or none; each file
 carries a header (magic, length, crc32) so a truncated or corrupt file reads as a miss, not as KV.
+
+Safe defaults: the directory is capped (``spill_capacity_bytes``; None: ``default_spill_capacity``,
+0: no cap), files are evicted least recently *used* first (a read hit refreshes the file's mtime),
+and with ``private_dir=True`` (the connector's default directory) the directory is created 0700
+and refused unless it is a real directory owned by this user that nobody else can enter.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import struct
 import threading
 import zlib
@@ -27,6 +33,45 @@ logger = get_logger(__name__)
 _MAGIC = b"KVCEMB01"
 _HEADER = struct.Struct("<8sQI")  # magic, payload length, crc32 of payload
 _SUFFIX = ".kvb"
+DEFAULT_SPILL_CAP_BYTES = 16 << 30
+MAX_SPILL_FREE_FRACTION = 0.5
+
+
+def default_spill_capacity(directory: str | os.PathLike[str]) -> int:
+    """The spill cap when none is given: 16 GiB, or half the free space of the file system holding
+    ``directory`` when that is less (the cache must never fill the disk it shares)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return DEFAULT_SPILL_CAP_BYTES
+    return max(1 << 20, min(DEFAULT_SPILL_CAP_BYTES, int(st.f_bavail * st.f_frsize * MAX_SPILL_FREE_FRACTION)))
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create ``path`` 0700, or check that it is a directory (not a link) owned by this user with no
+    access for group or others; PermissionError otherwise. A predictable shared-/tmp name is safe
+    only this way: another user could have created it first to read or plant blocks."""
+    try:
+        path.mkdir(mode=0o700, parents=False)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    uid = os.geteuid() if hasattr(os, "geteuid") else st.st_uid
+    problem = None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        problem = "is not a plain directory (a symlink?)"
+    elif st.st_uid != uid:
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    elif stat.S_IMODE(st.st_mode) & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):o}: group or others can reach it (expected 700)"
+    if problem:
+        raise PermissionError(
+            f"embedded store: spill_dir {path} {problem}. Remove it, or set embedded.spill_dir to a "
+            "directory of your own (a directory shared on purpose is never checked; use mac_key_env there)"
+        )
 
 
 def key_filename(key: str) -> str:
@@ -48,13 +93,19 @@ class EmbeddedBackend(Backend):
         spill_dir: str | os.PathLike[str] | None = None,
         write_through: bool = False,
         spill_capacity_bytes: int | None = None,
+        private_dir: bool = False,
     ):
         if write_through and spill_dir is None:
             raise ValueError("write_through needs a spill_dir")
         self.capacity_bytes = capacity_bytes
         self.spill_dir = Path(spill_dir) if spill_dir is not None else None
         self.write_through = write_through
-        self.spill_capacity_bytes = spill_capacity_bytes
+        if self.spill_dir is not None and private_dir:
+            ensure_private_dir(self.spill_dir)
+        if spill_capacity_bytes is None and self.spill_dir is not None:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            spill_capacity_bytes = default_spill_capacity(self.spill_dir)
+        self.spill_capacity_bytes = spill_capacity_bytes or None  # 0: no cap
         self._lock = threading.RLock()
         self._memory: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
         self._memory_bytes = 0
@@ -210,7 +261,15 @@ class EmbeddedBackend(Backend):
         if len(data) != header[0] or zlib.crc32(data) != header[1]:
             self._drop_corrupt(key, f"{len(data)} of {header[0]} bytes or crc mismatch")
             return None
+        self._touch(key)
         return data
+
+    def _touch(self, key: str) -> None:
+        """A read hit makes the file the most recently used (eviction goes by mtime)."""
+        try:
+            os.utime(self._path(key))
+        except OSError:  # removed meanwhile by another process: nothing to keep
+            pass
 
     def _read_file_into(self, key: str, buffer: memoryview) -> int:
         if self.spill_dir is None:
@@ -231,6 +290,7 @@ class EmbeddedBackend(Backend):
         if n != header[0] or trailing or zlib.crc32(buffer) != header[1]:
             self._drop_corrupt(key, f"{n} of {header[0]} bytes" if n != header[0] else "crc mismatch")
             return -1
+        self._touch(key)
         return n
 
     def _read_header(self, key: str, f: BinaryIO) -> tuple[int, int] | None:
@@ -274,7 +334,8 @@ class EmbeddedBackend(Backend):
         return files
 
     def _evict_files(self, keep: str) -> None:
-        """Remove the oldest files until the directory fits its budget (other processes' files too)."""
+        """Remove the least recently used files (oldest mtime: written or last read) until the
+        directory fits its budget (other processes' files too)."""
         files = sorted(self._spill_files())
         total = sum(size for _, size, _ in files)
         for _, size, path in files:

@@ -1,11 +1,13 @@
 """Backend selection: ``backend`` names an entry point in the ``kv_store.backends`` group.
 
 A factory is ``make(config: StoreConfig, role) -> kv_common.backend.Backend``. Third parties add
-their own with ``[project.entry-points."kv_store.backends"] mine = "pkg.mod:make"``.
+their own with ``[project.entry-points."kv_store.backends"] mine = "pkg.mod:make"``, or name the
+factory directly: ``"backend": "pkg.mod:make"``.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from importlib import metadata as importlib_metadata
 from typing import Any
@@ -28,6 +30,12 @@ def resolve_factory(name: str) -> Callable[[StoreConfig, Any], Backend]:
             return ep.load()
     if name in builtin:  # not installed with entry points (e.g. run from a source tree)
         return builtin[name]
+    if ":" in name:  # "pkg.module:factory"
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"AscendStoreConnector: backend {name!r} cannot be loaded: {exc}") from exc
     known = sorted(set(available_backends()) | set(builtin))
     raise ValueError(f"AscendStoreConnector: unknown backend {name!r} (known: {', '.join(known)})")
 
@@ -40,12 +48,13 @@ def make_embedded_backend(config: StoreConfig, role: Any = None) -> Backend:
     from kv_store.embedded import EmbeddedStoreBackend
 
     opts = config.embedded
-    spill_dir = opts.spill_dir or default_spill_dir()
+    # The default directory has a predictable name in the shared temp dir: it must be ours alone.
     return EmbeddedStoreBackend(
         capacity_bytes=opts.capacity_bytes,
-        spill_dir=spill_dir,
+        spill_dir=opts.spill_dir or default_spill_dir(),
         write_through=opts.write_through,
-        spill_capacity_bytes=opts.spill_capacity_bytes,
+        spill_capacity_bytes=opts.spill_capacity_bytes,  # None: capped (default_spill_capacity); 0: none
+        private_dir=not opts.spill_dir,
     )
 
 
