@@ -96,7 +96,8 @@ def test_every_connector_names_its_start_up_parser():
     from kv_common.doctor import config_parser
 
     ours = [s for s in SPECS if not s.module.startswith("kv_common.testing")]
-    assert {s.class_name for s in ours} >= {"MooncakeConnectorV1", "AscendStoreConnector", "UCMConnector"}
+    names = {name for s in ours for name in s.names}
+    assert names >= {"MooncakeConnectorV1", "AscendStoreConnector", "MooncakeConnectorStoreV1", "UCMConnector"}
     for spec in ours:
         assert spec.config_parser, f"{spec.name}: no config_parser for python -m kv_common doctor"
         assert callable(config_parser(spec))

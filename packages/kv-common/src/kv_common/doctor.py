@@ -179,7 +179,7 @@ def parse_connector_config(name: str, extra: Mapping[str, Any] | None, specs: It
     spec = find_spec(name, specs)
     if spec is None:
         raise LookupError(f"{name!r} is not an installed kv-* connector")
-    return config_parser(spec)(extra, spec.class_name)
+    return config_parser(spec)(extra, name)  # errors name the connector as the config wrote it
 
 
 class _ListHandler(logging.Handler):
