@@ -64,6 +64,9 @@ class MooncakeConfig(ConnectorConfig, frozen=True):
     # every TE chunk (bounded by the pull deadline), so tests can kill the prefill mid-pull.
     # Never set it in production.
     debug_pull_chunk_delay_s: float = 0.0
+    # Opt-in integrity check (needs xxhash: kv-mooncake[verify]): the prefill digests each block per
+    # KV head when the request finishes, the decode checks what it read; a mismatch is a load error.
+    verify_kv: bool = False
     # vllm-ascend's keys (values as its docs write them, strings included).
     prefill: ParallelSizes | None = None
     decode: ParallelSizes | None = None
@@ -105,7 +108,7 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
             plan.bind.append((config.side_channel_host, base + rank, f"side channel of worker rank {rank}"))
     else:
         plan.notes.append("decode: listens on no side-channel port (decode_side_channel is false)")
-    if ranks == 1 and producer:
+    if producer and not (config.prefill and config.prefill.tp_size):
         plan.notes.append("ports checked for one worker rank; set prefill.tp_size to check one per TP rank")
     return plan
 
