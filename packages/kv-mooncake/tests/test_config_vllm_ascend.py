@@ -58,9 +58,14 @@ def test_producer_refuses_a_declared_prefill_size_that_is_not_its_own():
     problems = start_up_contradictions(cfg, is_producer=True, is_consumer=False, tp_size=1, pp_size=1)
     assert problems == ["prefill.tp_size is 2 but this prefill instance runs tensor_parallel_size 1"]
     assert start_up_contradictions(cfg, is_producer=False, is_consumer=True, tp_size=1, pp_size=1) == []
-    pp = parse_config({"prefill": {"tp_size": 1, "pp_size": "2"}})
-    assert start_up_contradictions(pp, is_producer=True, is_consumer=False, tp_size=1, pp_size=1) == [
-        "prefill.pp_size is 2 but this prefill instance runs pipeline_parallel_size 1"]
+    pp = parse_config({"decode": {"tp_size": 1, "pp_size": "2"}})
+    assert start_up_contradictions(pp, is_producer=False, is_consumer=True, tp_size=1, pp_size=1) == [
+        "decode.pp_size is 2 but this decode instance runs pipeline_parallel_size 1"]
+    # vllm-ascend's documented PP prefill (pipeline_parallel.md): parses, but no PP pulls here.
+    problems = start_up_contradictions(parse_config(DOCUMENTED_PP), is_producer=False, is_consumer=True,
+                                       tp_size=1, pp_size=1)
+    assert problems == ["prefill.pp_size is 2 but MooncakeConnectorV1 moves KV only between instances with "
+                        "pipeline_parallel_size 1"]
     assert start_up_contradictions(parse_config({}), is_producer=True, is_consumer=True, tp_size=4, pp_size=2) == []
 
 

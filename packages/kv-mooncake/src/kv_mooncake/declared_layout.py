@@ -25,6 +25,12 @@ def start_up_contradictions(
 ) -> list[str]:
     """Declared sizes of this instance's own side(s) that differ from its actual layout."""
     out = []
+    # The pull plan maps TP/PCP/DCP ranks only: a pipeline-parallel prefill's stages hold different
+    # layers, so pulling from one is refused here rather than at every request's handshake.
+    declared_pp = config.prefill.pp_size if config.prefill is not None else None
+    if declared_pp is not None and declared_pp > 1:
+        out.append(f"prefill.pp_size is {declared_pp} but MooncakeConnectorV1 moves KV only between "
+                   "instances with pipeline_parallel_size 1")
     if is_producer:
         out += _own_side("prefill", config.prefill, tp_size, pp_size)
     if is_consumer:
