@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -127,8 +128,92 @@ def stream(s: Any | None) -> Iterator[None]:
 
 def data_ptr(tensor: Any) -> int:
     """Address of the tensor's first element (what transfer engines register and copy from)."""
-    return int(tensor.data_ptr())
+    with host_access():
+        return int(tensor.data_ptr())
 
 
 def nbytes(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size())
+
+
+# ---- host buffers and copies (the store data path) ------------------------------------------
+# Every byte of a KV tensor that a backend sees goes through these functions: on CPU the KV cache
+# is host memory and is exposed as a buffer directly (zero copy); on cuda / npu it is copied into
+# a (pinned) host buffer by the device's copy engine, and the copy is waited for (an event) before
+# the host buffer is read, reused or handed to a backend.
+
+_access = threading.local()
+
+
+@contextlib.contextmanager
+def host_access() -> Iterator[None]:
+    """Marks host-only access to a tensor's memory done here, in the shim (tests check that KV
+    tensors are touched that way only: see ``host_access_allowed``)."""
+    depth = getattr(_access, "depth", 0)
+    _access.depth = depth + 1
+    try:
+        yield
+    finally:
+        _access.depth = depth
+
+
+def host_access_allowed() -> bool:
+    return getattr(_access, "depth", 0) > 0
+
+
+def is_host(tensor: Any) -> bool:
+    """True when ``tensor`` lives in host memory (its bytes can be handed to a backend as is)."""
+    return _kind_of(tensor) == "cpu"
+
+
+def host_bytes(tensor: Any) -> memoryview:
+    """The bytes of a contiguous host tensor as a writable memoryview (no copy)."""
+    if not is_host(tensor):
+        raise ValueError(f"a {_kind_of(tensor)} tensor has no host bytes: copy it to a host buffer first")
+    if not tensor.is_contiguous():
+        raise ValueError("host_bytes needs a contiguous tensor")
+    with host_access():
+        return memoryview(tensor.detach().view(-1).view(_torch().uint8).numpy()).cast("B")
+
+
+def host_buffer(nbytes: int, device: Any = None) -> Any:
+    """A uint8 host tensor for staging copies of ``device`` tensors: pinned (page-locked, so the
+    copy engine moves it asynchronously) when ``device`` is an accelerator, plain on CPU."""
+    torch = _torch()
+    kind = _kind_of(device) if device is not None else "cpu"
+    return torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=kind != "cpu")
+
+
+def record_event(device: Any) -> Any | None:
+    """An event recorded on ``device``'s current stream (None on CPU, whose copies are synchronous).
+    Wait for it with ``wait_event`` before reading what the work up to now wrote."""
+    kind = _kind_of(device)
+    if kind == "cpu":
+        return None
+    module = _device_module(kind)
+    event = module.Event()
+    event.record(module.current_stream())
+    return event
+
+
+def wait_event(event: Any | None) -> None:
+    if event is not None:
+        event.synchronize()
+
+
+def gather_rows(dst: Any, src: Any, index: list[int]) -> Any | None:
+    """``dst[j] = src[index[j]]`` for a host ``dst`` and ``src`` on any device, with the device's
+    copy engine; returns the event to wait for before ``dst`` is read."""
+    torch = _torch()
+    idx = torch.tensor(index, dtype=torch.long, device=src.device)
+    dst.copy_(src.index_select(0, idx), non_blocking=True)
+    return record_event(src.device)
+
+
+def scatter_rows(dst: Any, index: list[int], src: Any) -> Any | None:
+    """``dst[index[j]] = src[j]`` for ``dst`` on any device and a host ``src``; returns the event to
+    wait for before ``src`` is reused."""
+    torch = _torch()
+    idx = torch.tensor(index, dtype=torch.long, device=dst.device)
+    dst.index_copy_(0, idx, src.to(dst.device, non_blocking=True))
+    return record_event(dst.device)

@@ -244,7 +244,9 @@ def _address_and_size(buf: Any, writable: bool, keep: list[Any]) -> tuple[int, i
         if not buf.is_contiguous():
             raise ValueError("tensor buffers must be contiguous")
         keep.append(buf)
-        return int(buf.data_ptr()), int(buf.numel()) * int(buf.element_size())
+        from kv_common import device  # every tensor address goes through the device shim
+
+        return device.data_ptr(buf), device.nbytes(buf)
     import numpy as np  # UCM needs numpy anyway
 
     view = memoryview(buf)

@@ -5,6 +5,11 @@
   block works, since whole blocks move.
 - Values: one per block, all layers concatenated in registration order, then a checksum trailer
   (``codec``). Gathers and scatters go through a staging buffer registered with the backend once.
+- Devices: every access to KV memory goes through ``kv_common.device``. KV caches in host memory
+  (CPU) are read and written in place as bytes; on cuda / npu the blocks are gathered into pinned
+  host staging (and scattered back) by the device's copy engine, and the copy's event is waited
+  for before a host buffer is read, reused or handed to a backend. A background save first waits
+  for an event recorded on the forward's stream when the save was queued.
 - Zero-copy "parts" path: a backend that also offers ``batch_put_parts(keys, parts)`` and
   ``batch_get_parts(keys, parts)`` (each value given as a list of buffers: one block slice per
   layer, then its 16-byte trailer) moves values straight between the paged KV cache and the store:
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_common import device
 from kv_common.backend import Backend
 from kv_common.failure_ledger import FailureLedger
 from kv_common.logging_utils import get_logger
@@ -68,11 +74,11 @@ class _Layer:
 class _Staging:
     """``slots`` contiguous value-sized buffers, registered with the backend once."""
 
-    def __init__(self, value_size: int, total_bytes: int, backend: Backend) -> None:
+    def __init__(self, value_size: int, total_bytes: int, backend: Backend, kv_device: object = "cpu") -> None:
         self.value_size = value_size
         self.slots = max(1, total_bytes // value_size)
-        self.tensor = torch.empty(self.slots * value_size, dtype=torch.uint8)
-        self.view = memoryview(self.tensor.numpy()).cast("B")
+        self.tensor = device.host_buffer(self.slots * value_size, kv_device)  # pinned for a device
+        self.view = device.host_bytes(self.tensor)
         self.rows = self.tensor.view(self.slots, value_size)
         self._backend = backend
         backend.register_buffer(self.view)
@@ -122,7 +128,10 @@ class StoreWorker:
         stats: StoreStats | None = None,
         ledger: FailureLedger | None = None,
         writes_blocks: bool = True,
+        host_kv: bool | None = None,
     ) -> None:
+        """``host_kv``: whether the KV caches are host memory (None: decided from their device).
+        False forces the device copy path (tests prove it on CPU with guard tensors)."""
         self.backend = backend
         self.namespace = namespace
         self.rank_tag = rank_tag
@@ -134,6 +143,9 @@ class StoreWorker:
         self.ledger = ledger if ledger is not None else FailureLedger()
         self._mac_key = codec.mac_key_from_env(config.mac_key_env)  # fails at start-up when missing
         self._layers: list[_Layer] = []
+        self._host_kv_override = host_kv
+        self.host_kv = True
+        self.kv_device: object = "cpu"
         self._layer_index: dict[str, int] = {}
         self.payload_size = 0
         self.value_size = 0
@@ -172,6 +184,12 @@ class StoreWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         offset = 0
         num_blocks = None
+        tensors = list(kv_caches.values())
+        self.kv_device = tensors[0].device if tensors else "cpu"
+        auto_host = all(device.is_host(t) for t in tensors)
+        self.host_kv = auto_host if self._host_kv_override is None else (self._host_kv_override and auto_host)
+        if not self.host_kv:
+            self._parts = False  # backends register host memory: device KV always goes through staging
         for name, tensor in kv_caches.items():
             if not tensor.is_contiguous():
                 raise ValueError(f"KV cache of layer {name} is not contiguous: cannot move whole blocks")
@@ -182,13 +200,13 @@ class StoreWorker:
             blocks = tensor.view(torch.uint8).reshape(tensor.shape[0], -1)
             nbytes = blocks.shape[1]
             self._layer_index[name] = len(self._layers)
-            flat = memoryview(blocks.numpy()).cast("B")  # block copies as plain memcpy
+            flat = device.host_bytes(blocks) if self.host_kv else None  # host: blocks move as memcpy
             self._layers.append(_Layer(name, blocks, offset, nbytes, self.layer_groups.get(name, 0), flat))
             offset += nbytes
         self.payload_size = offset
         self.value_size = offset + codec.TRAILER_SIZE
-        self._save_staging = _Staging(self.value_size, self.config.staging_bytes, self.backend)
-        self._load_staging = _Staging(self.value_size, self.config.staging_bytes, self.backend)
+        self._save_staging = _Staging(self.value_size, self.config.staging_bytes, self.backend, self.kv_device)
+        self._load_staging = _Staging(self.value_size, self.config.staging_bytes, self.backend, self.kv_device)
         if self._parts:
             self._parts = self._setup_parts(kv_caches)
         logger.info(
@@ -203,7 +221,7 @@ class StoreWorker:
         seen: set[tuple[int, int]] = set()
         try:
             for layer in self._layers:
-                span = (layer.blocks.data_ptr(), layer.blocks.numel())
+                span = (device.data_ptr(layer.blocks), layer.blocks.numel())
                 if span not in seen:  # layers may share one allocation
                     seen.add(span)
                     assert layer.flat is not None  # every layer has one (register_kv_caches)
@@ -211,7 +229,7 @@ class StoreWorker:
                     self._registered_kv.append(layer.flat)
             for _ in range(2):
                 tensor = torch.zeros(slots * codec.TRAILER_SIZE, dtype=torch.uint8)
-                view = memoryview(tensor.numpy()).cast("B")
+                view = device.host_bytes(tensor)
                 self.backend.register_buffer(view)
                 self._registered_kv.append(view)
                 self._trailer_tensors.append(tensor)
@@ -241,15 +259,31 @@ class StoreWorker:
 
     # ---- gather / scatter -----------------------------------------------------------------
     def _gather(self, staging: _Staging, transfer: BlockTransfer, lo: int, hi: int) -> None:
+        """Blocks ``lo:hi`` of ``transfer`` into staging rows ``0:hi-lo``; the rows are ready to
+        read when this returns (a device copy is waited for)."""
         view, vs = staging.view, staging.value_size
+        events = []
         for layer in self._layers:
             ids = transfer.block_ids[layer.group]
+            if not self.host_kv:
+                rows = staging.rows[: hi - lo, layer.offset : layer.offset + layer.nbytes]
+                events.append(device.gather_rows(rows, layer.blocks, list(ids[lo:hi])))
+                continue
             for j, i in enumerate(range(lo, hi)):
                 start = j * vs + layer.offset
                 view[start : start + layer.nbytes] = layer.block(ids[i])
+        for event in events:
+            device.wait_event(event)
 
     def _scatter_layer(self, layer: _Layer, staging: _Staging, transfer: BlockTransfer, row: int, n: int) -> None:
+        """Staging rows ``row:row+n`` into the layer's blocks; staging may be reused on return."""
         ids = transfer.block_ids[layer.group]
+        if n <= 0:
+            return
+        if not self.host_kv:
+            rows = staging.rows[row : row + n, layer.offset : layer.offset + layer.nbytes]
+            device.wait_event(device.scatter_rows(layer.blocks, list(ids[:n]), rows))
+            return
         view, vs = staging.view, staging.value_size
         for j in range(n):
             start = (row + j) * vs + layer.offset
@@ -274,8 +308,10 @@ class StoreWorker:
                 for transfer in plan.saves:
                     self._pending_saves.setdefault(transfer.request_id, [])
             return
+        # The forward that wrote these blocks may still run on the device: the save waits for it.
+        fence = None if self.host_kv else device.record_event(self.kv_device)
         for transfer in plan.saves:
-            job = _SaveJob(self._saver.submit(self._save, transfer), time.monotonic())
+            job = _SaveJob(self._saver.submit(self._save, transfer, fence), time.monotonic())
             with self._lock:
                 self._pending_saves[transfer.request_id].append(job)
 
@@ -284,9 +320,10 @@ class StoreWorker:
         timeout = self.config.save_timeout_s
         return timeout > 0 and since is not None and time.monotonic() - since > timeout
 
-    def _save(self, transfer: BlockTransfer) -> None:
+    def _save(self, transfer: BlockTransfer, fence: object = None) -> None:
         self._saving_since = time.monotonic()
         try:
+            device.wait_event(fence)
             self._save_blocks(transfer)
         finally:
             self._saving_since = None
