@@ -119,3 +119,45 @@ def test_a_pull_failing_midway_reports_only_the_blocks_it_did_not_read():
     finally:
         decode.worker.close()
         prefill.worker.close()
+
+
+def _pull_and_wait(decode: Instance, pull: PullRequest) -> set[int]:
+    decode.worker.start_step(MooncakeStep(pulls=[pull]))
+    deadline = time.monotonic() + 20
+    while pull.request_id not in (decode.worker.get_finished()[1] or ()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return decode.worker.ledger.take_block_ids_with_load_errors()
+
+
+def test_verify_kv_turns_kv_changed_after_the_finish_into_a_load_error():
+    pytest.importorskip("xxhash")
+    cfg = MooncakeConfig(pull_timeout_s=10.0, verify_kv=True)
+    prefill = Instance(cfg, producer=True, seed=5)
+    decode = Instance(cfg, producer=False, seed=6)
+    port = prefill.worker.side_channel_port
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="ok", num_blocks=4, block_ids=[1, 2, 3, 4]),
+                                                      HoldRequest(request_id="bad", num_blocks=2, block_ids=[7, 9])]))
+        assert _pull_and_wait(decode, _pull("ok", port, [1, 2, 3, 4], [10, 11, 12, 13])) == set()
+        for src, dst in zip([1, 2, 3, 4], [10, 11, 12, 13]):
+            assert decode.block(1, dst) == prefill.block(1, src)
+        # Block 9 changes after the request finished (reused by a bug, or corrupted): one byte of
+        # the last head of the last layer.
+        prefill.layers[1][9 * BLOCK_BYTES + BLOCK_BYTES - 1] ^= 0xFF
+        assert _pull_and_wait(decode, _pull("bad", port, [7, 9], [20, 21])) == {20, 21}
+        assert decode.worker.stats.to_dict()["counters"]["digest_mismatches"] == 1
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_verify_kv_on_the_decode_only_fails_closed():
+    pytest.importorskip("xxhash")
+    prefill = Instance(MooncakeConfig(pull_timeout_s=10.0), producer=True, seed=7)
+    decode = Instance(MooncakeConfig(pull_timeout_s=10.0, verify_kv=True), producer=False, seed=8)
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[3])]))
+        assert _pull_and_wait(decode, _pull("r", prefill.worker.side_channel_port, [3], [4])) == {4}
+    finally:
+        decode.worker.close()
+        prefill.worker.close()

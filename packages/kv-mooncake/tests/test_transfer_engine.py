@@ -115,3 +115,61 @@ def test_read_from_a_frozen_peer_is_retried_until_it_resumes(target, monkeypatch
     for i in range(8):
         assert hashlib.sha256(local[i * BLOCK:(i + 1) * BLOCK]).hexdigest() == digests[i]
     te.close()
+
+
+def test_concurrent_reads_to_one_peer_are_batched_and_a_bad_one_fails_alone():
+    """16 pulls reading one prefill at once: served by a few big engine calls, not 16 turns behind
+    a per-peer lock; a read of unregistered memory fails, the others land byte for byte."""
+    src_te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    dst_te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    n_threads, per = 16, 8
+    src = np.random.default_rng(5).integers(0, 256, n_threads * per * BLOCK, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    src_te.register([(src.ctypes.data, src.nbytes)])
+    dst_te.register([(dst.ctypes.data, dst.nbytes)])
+    calls = []
+
+    class CountingEngine:  # the real engine, its reads counted and slowed down
+        def __init__(self, engine):
+            self._engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+        def batch_transfer_sync_read(self, peer, local, remote, lengths):
+            calls.append(len(lengths))
+            time.sleep(0.05)  # a slow engine call: reads that arrive meanwhile join the next batch
+            return self._engine.batch_transfer_sync_read(peer, local, remote, lengths)
+
+    dst_te._engine = CountingEngine(dst_te._engine)
+    start = threading.Barrier(n_threads)
+    results: dict[int, object] = {}
+
+    def read(t: int) -> None:
+        blocks = range(t * per, (t + 1) * per)
+        remote = [src.ctypes.data + b * BLOCK for b in blocks]
+        if t == 5:
+            remote[3] = src.ctypes.data + src.nbytes + 64 * BLOCK  # not registered on the peer
+        start.wait()
+        try:
+            results[t] = dst_te.read_blocks(src_te.rpc_address, [dst.ctypes.data + b * BLOCK for b in blocks],
+                                            remote, [BLOCK] * per, time.monotonic() + 20)
+        except TransferError as exc:
+            results[t] = exc
+
+    threads = [threading.Thread(target=read, args=(t,)) for t in range(n_threads)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert isinstance(results[5], TransferError)
+        for t in range(n_threads):
+            if t != 5:
+                assert results[t] == per * BLOCK, (t, results[t])
+                lo, hi = t * per * BLOCK, (t + 1) * per * BLOCK
+                assert np.array_equal(dst[lo:hi], src[lo:hi]), t
+        assert len([c for c in calls if c > per]) >= 1, f"every read took its own engine call: {calls}"
+    finally:
+        dst_te.close()
+        src_te.close()

@@ -117,8 +117,9 @@ class LeakQuery(msgspec.Struct, tag=True, frozen=True):
     """Tests and operators: what does this worker still hold?"""
 
 
-class Ack(msgspec.Struct, tag=True, frozen=True):
-    pass
+class Ack(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    # verify_kv, reply to PullStarted: xxh3-64 per (requested block id in order, head of this rank)
+    digests: list[int] = []
 
 
 class Refused(msgspec.Struct, tag=True, frozen=True, kw_only=True):

@@ -29,6 +29,7 @@ from kv_common.stats import TransferStatsBase
 
 from kv_mooncake import protocol as P
 from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.kv_digest import head_digests
 from kv_mooncake.kv_regions import KVPart, LayoutError, head_span_runs, infer_roles, layout_name, pair_runs
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
 from kv_mooncake.peer_health import PeerBreaker, PeerQueues
@@ -239,6 +240,7 @@ class MooncakeWorker:
         self._early_done: dict[str, tuple[set[str], int]] = {}
         self._early_free: OrderedDict[str, None] = OrderedDict()
         self._pending_pulls: set[str] = set()
+        self._digests: dict[str, dict[int, list[int]]] = {}  # verify_kv: request -> block -> per head
         self._handshakes: dict[tuple[str, str], P.HandshakeReply] = {}
         self._run_cache: dict[tuple, list[tuple[int, int, int]]] = {}  # paired byte runs per layout pair
         self.tracker = DelayedFreeTracker(self._on_free)
@@ -350,7 +352,14 @@ class MooncakeWorker:
     # ---- prefill: holds and the side channel --------------------------------------------------
     def _hold(self, request_id: str, num_blocks: int, block_ids: list[int] | None = None,
               ttl_s: float | None = None) -> None:
+        digests = None
+        if self.config.verify_kv and self.cache is not None:  # the request finished: its KV is final
+            cache = self.cache
+            digests = {b: head_digests(self._head_ranges, range(len(cache.layer_names)), b, range(cache.heads_on_rank))
+                       for b in block_ids or ()}
         with self._lock:
+            if digests is not None:
+                self._digests[request_id] = digests
             self._held_blocks[request_id] = num_blocks
             self._held_block_ids[request_id] = frozenset(block_ids or ())
             early_free = self._early_free.pop(request_id, 0) is None
@@ -367,6 +376,7 @@ class MooncakeWorker:
         with self._lock:
             self._held_blocks.pop(request_id, None)
             self._held_block_ids.pop(request_id, None)
+            self._digests.pop(request_id, None)
             self._active_reads = {r for r in self._active_reads if r[0] != request_id}
             self._expected_known.discard(request_id)
             self._finished_sending.add(request_id)
@@ -405,6 +415,9 @@ class MooncakeWorker:
                 with self._lock:
                     if message.request_id in self._held_blocks:
                         self._active_reads.add((message.request_id, message.reader_id))
+                    digests = self._digests.get(message.request_id)
+                if digests is not None:  # verify_kv: the reader checks what it read against these
+                    return P.Ack(digests=[d for b in message.block_ids for d in digests.get(b, ())])
                 return P.Ack()
             return self._not_held(message.request_id)
         if isinstance(message, P.LeaseRenew):
@@ -685,6 +698,7 @@ class MooncakeWorker:
                             lambda left: self._request(address, started, min(left, self.config.handshake_timeout_s)))
         if not isinstance(reply, P.Ack):
             raise PullFailed(f"{address} refused the pull: {getattr(reply, 'reason', reply)}")
+        digests = self._expected_digests(reply, block_ids, hs, address) if self.config.verify_kv else None
         renew = P.LeaseRenew(request_id=source.request_id, reader_id=self.reader_id)
         last_renew = [time.monotonic()]
         delay = self.config.debug_pull_chunk_delay_s
@@ -711,6 +725,8 @@ class MooncakeWorker:
             local, remote, lengths = self._addresses(req, batch, hs)
             total += self.te.read_blocks(hs.te_address, local, remote, lengths, deadline, on_chunk,
                                          on_retry=lambda _why: self.stats.incr("transfer_retries"))
+            if digests is not None:
+                self._verify(req, batch, hs, digests)
             read.update(dst for _, dst in batch.blocks)
         return total
 
@@ -795,6 +811,43 @@ class MooncakeWorker:
                                     local.append(loc)
                                     lengths.append(n)
         return local, remote, lengths
+
+    # ---- verify_kv ---------------------------------------------------------------------------
+    def _head_ranges(self, li: int, block: int, head: int) -> list[tuple[int, int]]:
+        """(address, length) runs of one KV head of logical ``block`` in layer ``li`` of this rank."""
+        assert self.cache is not None
+        k = self.cache.kernel_blocks_per_block
+        out: list[tuple[int, int]] = []
+        for part in self.cache.layer_parts(li):
+            step = part.stride("block") * part.element_size
+            runs = head_span_runs(part, head, 1)
+            for kernel_block in range(block * k, (block + 1) * k):
+                start = part.base + kernel_block * step
+                out.extend((start + offset, length) for offset, length in runs)
+        return out
+
+    def _expected_digests(self, reply: P.Ack, block_ids: list[int], hs: P.HandshakeReply,
+                          address: str) -> dict[int, list[int]]:
+        heads = hs.heads_on_rank
+        if len(reply.digests) != len(block_ids) * heads:  # fail closed: nothing to verify against
+            raise PullFailed(f"verify_kv: {address} sent {len(reply.digests)} digests for {len(block_ids)} blocks "
+                             f"of {heads} heads (is verify_kv set on the prefill too?)")
+        return {b: reply.digests[i * heads:(i + 1) * heads] for i, b in enumerate(block_ids)}
+
+    def _verify(self, req: PullRequest, batch: RankPull, hs: P.HandshakeReply, digests: dict[int, list[int]]) -> None:
+        """The blocks of ``batch`` as read here, head by head, against the prefill's digests."""
+        assert self.cache is not None
+        index = {name: i for i, name in enumerate(self.cache.layer_names)}
+        layers = [index[name] for name in hs.layer_names]  # the prefill's layer order
+        for src_pos, dst_pos in batch.blocks:
+            remote_block, local_block = req.source.block_ids[src_pos], req.local_block_ids[0][dst_pos]
+            for span in batch.spans:
+                got = head_digests(self._head_ranges, layers, local_block,
+                                   range(span.dst_head, span.dst_head + span.num_heads))
+                if got != digests[remote_block][span.src_head:span.src_head + span.num_heads]:
+                    self.stats.incr("digest_mismatches")
+                    raise PullFailed(f"verify_kv: KV of remote block {remote_block} (heads {span.src_head}.."
+                                     f"{span.src_head + span.num_heads - 1}) differs from the prefill's digest")
 
     def _keep_alive(self, source: RemoteSource) -> None:
         """One try per prefill rank: the next heartbeat comes a third of a lease later."""
