@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n in args.only]
     mode = "quick" if args.quick else "full"
     command = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
+    whole_run = run_line(mode, command.strip(), float("nan"), float("nan"), args.load_note).split("; load")[0]
     sections: list[tuple[str, Section]] = []
     for name in names:
         started, load_before = time.monotonic(), load_average()
@@ -175,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if partial:
             head = "This file holds only sections re-run alone; run `python -m benchmarks` for the whole report."
         else:
-            head = run_line(mode, command.strip(), float("nan"), float("nan"), args.load_note).split("; load")[0]
-            head = "Whole report: " + head + "."
+            head = "Whole report: " + whole_run.replace("Run ", "run started ", 1) + "."
             if args.quick:
                 head += (
                     "\n\n> **Quick mode**: fewer sizes, repetitions and requests than the full run; read the "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,7 +96,10 @@ def first_error_line(exc: BaseException, limit: int = 300) -> str:
         ]
         return candidates[-1] if candidates else None
 
-    text = str(exc)
+    # Errors Python reports while tearing objects down ("Exception ignored in: <... __del__>", e.g. a
+    # connector's destructor failing on an attribute its failed __init__ never set) are secondary:
+    # drop them, so the line shown is the root cause, not its aftermath.
+    text = re.sub(r"Exception ignored in:.*?(?:\n\s*\n|\Z)", "\n", str(exc), flags=re.S)
     # The engine's own traceback comes before its stderr tail (whose warnings also say "Error").
     line = last_error(text.split("--- engine stderr (tail) ---")[0])
     if line is None or "root cause" in line:
