@@ -50,8 +50,9 @@ def _anchor(title: str) -> str:
     return re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
 
 
-def run_line(mode: str, command: str, load_before: float, load_after: float, note: str) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def run_line(mode: str, command: str, load_before: float, load_after: float, note: str,
+             started: datetime.datetime | None = None) -> str:
+    now = (started or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC")
     line = (
         f"Run {now}, {mode} mode, `{command}`; machine: {machine()}; "
         f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cores"
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[tuple[str, Section]] = []
     for name in names:
         started, load_before = time.monotonic(), load_average()
+        started_at = datetime.datetime.now(datetime.timezone.utc)
         print(f"== {name}", flush=True)
         try:
             module = importlib.import_module(f"benchmarks.{name}")
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             section = Section(title=name, notes=[f"failed: {type(exc).__name__}: {exc}"])
             section.claims.append(Claim(f"{name} failed: {type(exc).__name__}: {exc}"[:300]))
         section.notes.append(f"took {time.monotonic() - started:.0f} s")
-        section.run_line = run_line(mode, command.strip(), load_before, load_average(), args.load_note)
+        section.run_line = run_line(mode, command.strip(), load_before, load_average(), args.load_note, started_at)
         sections.append((name, section))
 
     partial = bool(args.only) or args.append
