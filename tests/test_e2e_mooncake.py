@@ -34,9 +34,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
-from kv_common.side_channel import SideChannelTimeout  # noqa: E402
 from kv_common.testing.engine import EngineError, EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
+from kv_mooncake.side_channel import SideChannelTimeout  # noqa: E402
 from kv_mooncake.worker import query_leaks  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

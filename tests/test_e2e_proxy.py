@@ -36,10 +36,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from kv_common.side_channel import SideChannelTimeout  # noqa: E402
 from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.mooncake_master import free_port  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
+from kv_mooncake.side_channel import SideChannelTimeout  # noqa: E402
 from kv_mooncake.worker import query_leaks  # noqa: E402
 
 pytestmark = pytest.mark.e2e

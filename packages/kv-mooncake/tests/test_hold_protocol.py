@@ -193,7 +193,7 @@ def test_a_request_waiting_on_the_decode_keeps_its_hold_alive():
 def test_keep_alive_is_capped():
     """A decode that keeps accepting but never pulls cannot hold prefill memory forever."""
     clock = [0.0]
-    from kv_common.delayed_free import DelayedFreeTracker
+    from kv_mooncake.delayed_free import DelayedFreeTracker
 
     freed: list[tuple[str, str]] = []
     tracker = DelayedFreeTracker(lambda r, why: freed.append((r, why)), clock=lambda: clock[0])

@@ -19,9 +19,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
-from kv_common.delayed_free import DelayedFreeTracker  # noqa: E402
 from kv_mooncake import protocol as P  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
+from kv_mooncake.delayed_free import DelayedFreeTracker  # noqa: E402
 from kv_mooncake.metadata import HoldRequest, MooncakeStep  # noqa: E402
 from kv_mooncake.worker import MooncakeWorker  # noqa: E402
 

@@ -25,13 +25,13 @@ pytest.importorskip("prometheus_client")
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from kv_common.side_channel import SideChannelServer
 from kv_common.testing.mooncake_master import free_port
 from kv_mooncake import protocol as P
 from kv_mooncake.proxy.app import build_app, prefill_request_body
 from kv_mooncake.proxy.balancer import InstancePool, estimate_prompt_tokens
 from kv_mooncake.proxy.config import ProxyConfig, parse_args
 from kv_mooncake.proxy.release import side_channel_addresses
+from kv_mooncake.side_channel import SideChannelServer
 
 WAIT_S = 10.0  # bound of every wait in these tests (all upstreams are local and instant)
 

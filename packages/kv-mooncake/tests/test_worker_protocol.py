@@ -8,8 +8,8 @@ import time
 import msgspec
 import pytest
 import zmq
-from kv_common import side_channel
 from kv_mooncake import protocol as P
+from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.metadata import HoldRequest, MooncakeStep
 from kv_mooncake.worker import LocalCache, MooncakeWorker, query_leaks

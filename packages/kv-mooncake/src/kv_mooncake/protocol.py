@@ -1,6 +1,6 @@
 """Side-channel messages between a decode worker (client) and a prefill worker (server).
 
-msgpack-encoded msgspec Structs (tagged unions, size-limited by kv_common.side_channel); never pickle.
+msgpack-encoded msgspec Structs (tagged unions, size-limited by kv_mooncake.side_channel); never pickle.
 
 Flow for one request and one (decode rank, prefill rank) pair::
 

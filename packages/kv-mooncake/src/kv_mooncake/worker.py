@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from kv_common import side_channel
-from kv_common.delayed_free import DelayedFreeTracker
 from kv_common.failure_ledger import FailureLedger
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
 
 from kv_mooncake import protocol as P
+from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.delayed_free import DelayedFreeTracker
 from kv_mooncake.kv_digest import head_digests
 from kv_mooncake.kv_regions import KVPart, LayoutError, head_span_runs, infer_roles, layout_name, pair_runs
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource

@@ -10,10 +10,10 @@ one never pulls blocks from under a decode.
 
 from __future__ import annotations
 
-from kv_common import side_channel
 from kv_common.logging_utils import get_logger
 
 from kv_mooncake import protocol as P
+from kv_mooncake import side_channel
 from kv_mooncake.pull_plan import PrefillLayout
 
 logger = get_logger(__name__)

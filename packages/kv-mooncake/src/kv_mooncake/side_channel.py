@@ -17,7 +17,6 @@ from typing import Any, Union
 
 import msgspec
 import zmq
-
 from kv_common.logging_utils import get_logger
 
 logger = get_logger(__name__)

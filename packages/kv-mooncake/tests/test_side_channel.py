@@ -7,7 +7,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from kv_common.side_channel import (
+from kv_mooncake.side_channel import (
     ErrorReply,
     SideChannelClient,
     SideChannelError,
@@ -142,7 +142,7 @@ def _raw_dealer_exchange(port: int, frames: list[bytes], timeout_ms: int = 2000)
 
 
 def test_malformed_bytes_get_error_reply_and_one_warning(server, caplog):
-    with caplog.at_level(logging.WARNING, logger="kv_common.side_channel"):
+    with caplog.at_level(logging.WARNING, logger="kv_mooncake.side_channel"):
         reply = _raw_dealer_exchange(server.port, [b"\xc1\xff not msgpack"])
     assert reply is not None
     decoded = msgspec.msgpack.decode(reply[-1], type=ErrorReply)
