@@ -1,0 +1,261 @@
+"""Decode pulls with several requests in flight, from one and from two prefills (issue 13 §3).
+
+No vLLM engine: each prefill is a ``MooncakeWorker`` (``kv_producer``) in its own process over
+registered CPU regions (4 layers, ``BLOCK_BYTES`` per block and layer, a byte pattern per block and
+layer); the decode is a ``MooncakeWorker`` (``kv_consumer``) in this process, driven the way vLLM's
+model runner drives it: ``start_step`` with N pulls at once, ``get_finished`` polled until all N
+are reported. Per request: latency from ``start_step`` to its report; per round: throughput. Every
+destination block is checked byte for byte after each round.
+
+In the same round the decode's own TransferEngine reads the very same remote blocks raw, two ways:
+one synchronous batch per prefill (all N requests' blocks, chunked at 512) and one asynchronous
+batch per request submitted at once then awaited; the faster is the "best raw TE" of that round.
+
+``rows = run(quick)`` returns one dict per (prefills, in flight); ``write_rows(rows, path)`` writes
+them as a Markdown table. Run alone: ``python -m benchmarks.bench_pull_concurrency [--quick]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KIB = 1 << 10
+BLOCK_BYTES = 64 * KIB  # per layer
+NUM_LAYERS = 4
+HEADS = 4
+BLOCKS_PER_REQUEST = 8  # 2 MiB per request
+IN_FLIGHT = (1, 4, 16)
+PREFILLS = (1, 2)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pattern(block: int, layer: int) -> int:
+    return (block * 7 + layer * 31 + 1) % 251
+
+
+def _regions(num_blocks: int, pattern: bool):
+    import numpy as np
+
+    layers = []
+    for layer in range(NUM_LAYERS):
+        a = np.zeros(num_blocks * BLOCK_BYTES, dtype=np.uint8)
+        if pattern:
+            for b in range(num_blocks):
+                a[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES] = _pattern(b, layer)
+        layers.append(a)
+    return layers
+
+
+def _worker(engine_id: str, producer: bool, port: int, layers, num_blocks: int):
+    from kv_mooncake.config import MooncakeConfig
+    from kv_mooncake.worker import LocalCache, MooncakeWorker
+
+    cfg = MooncakeConfig(hold_timeout_s=600.0, lease_s=60.0, pull_timeout_s=120.0)
+    w = MooncakeWorker(cfg, engine_id=engine_id, is_producer=producer, is_consumer=not producer,
+                       side_channel_port=port, total_kv_heads=HEADS, compatibility_base={"model": "bench"})
+    cache = LocalCache([f"l{i}" for i in range(NUM_LAYERS)], [a.ctypes.data for a in layers],
+                       [BLOCK_BYTES] * NUM_LAYERS, num_blocks, HEADS)
+    w.register_cache(cache, {"block_size": 16, "head_size": BLOCK_BYTES // HEADS // 16 // 8, "num_layers": NUM_LAYERS},
+                     "float32")
+    return w
+
+
+# ---------------------------------------------------------------- prefill side (child process)
+def _serve(engine_id: str, port: int, num_blocks: int) -> int:
+    from kv_mooncake.metadata import HoldRequest, MooncakeStep
+
+    layers = _regions(num_blocks, pattern=True)
+    w = _worker(engine_id, True, port, layers, num_blocks)
+    print(json.dumps({"ready": True, "te": w.te.rpc_address, "bases": [a.ctypes.data for a in layers]}), flush=True)
+    for line in sys.stdin:  # {"holds": {request_id: [block ids]}}
+        holds = json.loads(line)["holds"]
+        w.start_step(MooncakeStep(holds=[HoldRequest(request_id=r, num_blocks=len(ids), block_ids=ids)
+                                         for r, ids in holds.items()]))
+        w.get_finished()
+        print(json.dumps({"held": len(holds)}), flush=True)
+    print(json.dumps({"leaks": w.leak_report()}), flush=True)
+    w.close()
+    return 0
+
+
+class _Prefill:
+    def __init__(self, engine_id: str, num_blocks: int) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.engine_id = engine_id
+        env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_pull_concurrency", "--serve", engine_id, str(self.port),
+             str(num_blocks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        ready = json.loads(self.proc.stdout.readline() or '{"ready": false}')  # type: ignore[union-attr]
+        if not ready.get("ready"):
+            self.close()
+            raise RuntimeError("prefill worker did not start")
+        self.te_address, self.bases = ready["te"], ready["bases"]
+
+    def hold(self, holds: dict[str, list[int]]) -> None:
+        self.proc.stdin.write(json.dumps({"holds": holds}) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        self.proc.stdout.readline()  # type: ignore[union-attr]
+
+    def close(self) -> dict:
+        leaks: dict = {}
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # type: ignore[union-attr]
+                line = self.proc.stdout.readline()  # type: ignore[union-attr]
+                leaks = json.loads(line).get("leaks", {}) if line else {}
+                self.proc.wait(20)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                self.proc.kill()
+                self.proc.wait(5)
+        return leaks
+
+
+# ---------------------------------------------------------------- decode side (this process)
+def _quantile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _raw_reads(engine, prefills, plan, local_bases) -> float:
+    """Best raw TE time for the same reads: one sync batch per prefill vs one async batch per request."""
+    per_peer: dict[int, tuple[list[int], list[int]]] = {}
+    per_request: list[tuple[int, list[int], list[int]]] = []
+    for p, remote_ids, local_ids in plan:
+        loc, rem = [], []
+        for layer in range(NUM_LAYERS):
+            for r, d in zip(remote_ids, local_ids):
+                rem.append(prefills[p].bases[layer] + r * BLOCK_BYTES)
+                loc.append(local_bases[layer] + d * BLOCK_BYTES)
+        per_request.append((p, loc, rem))
+        acc = per_peer.setdefault(p, ([], []))
+        acc[0].extend(loc)
+        acc[1].extend(rem)
+    t0 = time.perf_counter()
+    for p, (loc, rem) in per_peer.items():
+        for s in range(0, len(loc), 512):
+            rc = engine.batch_transfer_sync_read(prefills[p].te_address, loc[s:s + 512], rem[s:s + 512],
+                                                 [BLOCK_BYTES] * len(loc[s:s + 512]))
+            assert rc == 0, rc
+    sync_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ids = [engine.batch_transfer_async_read(prefills[p].te_address, loc, rem, [BLOCK_BYTES] * len(loc))
+           for p, loc, rem in per_request]
+    assert engine.get_batch_transfer_status(ids) == 0
+    return min(sync_s, time.perf_counter() - t0)
+
+
+def measure(num_prefills: int, in_flight: int, rounds: int) -> dict:
+    import numpy as np
+    from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
+
+    per_prefill_blocks = in_flight * BLOCKS_PER_REQUEST + 8
+    local_blocks = in_flight * BLOCKS_PER_REQUEST
+    prefills = [_Prefill(f"P{i}", per_prefill_blocks) for i in range(num_prefills)]
+    local = _regions(local_blocks, pattern=False)
+    decode = _worker("D", False, 0, local, local_blocks)
+    local_bases = [a.ctypes.data for a in local]
+    latencies: list[float] = []
+    walls: list[float] = []
+    raw: list[float] = []
+    try:
+        for rnd in range(rounds + 1):  # round 0 warms up (handshakes, connections)
+            plan = []  # (prefill, remote ids, local ids) per request
+            holds: list[dict[str, list[int]]] = [{} for _ in prefills]
+            for i in range(in_flight):
+                p = i % num_prefills
+                slot = i // num_prefills
+                remote = [(slot * BLOCKS_PER_REQUEST + k * 3 + rnd) % per_prefill_blocks for k in range(BLOCKS_PER_REQUEST)]
+                local_ids = [i * BLOCKS_PER_REQUEST + k for k in range(BLOCKS_PER_REQUEST)]
+                plan.append((p, remote, local_ids))
+                holds[p][f"r{rnd}-{i}"] = remote
+            for p, h in zip(prefills, holds):
+                p.hold(h)
+            for a in local:
+                a[:] = 0
+            pulls = [PullRequest(request_id=f"r{rnd}-{i}", local_block_ids=[local_ids], num_blocks=BLOCKS_PER_REQUEST,
+                                 skip_blocks=0,
+                                 source=RemoteSource(engine_id=prefills[p].engine_id, host="127.0.0.1",
+                                                     port=prefills[p].port, request_id=f"r{rnd}-{i}",
+                                                     block_ids=remote))
+                     for i, (p, remote, local_ids) in enumerate(plan)]
+            t0 = time.perf_counter()
+            decode.start_step(MooncakeStep(pulls=pulls))
+            done: dict[str, float] = {}
+            while len(done) < in_flight:
+                for r in decode.get_finished()[1] or ():
+                    done[r] = time.perf_counter() - t0
+                if time.perf_counter() - t0 > 120:
+                    raise RuntimeError(f"pulls not done after 120 s: {len(done)} of {in_flight}")
+                time.sleep(1e-4)
+            wall = time.perf_counter() - t0
+            errors = decode.ledger.take_block_ids_with_load_errors()
+            if errors:
+                raise RuntimeError(f"load errors in blocks {sorted(errors)[:8]}")
+            for _p, remote, local_ids in plan:
+                for layer in range(NUM_LAYERS):
+                    for r, d in zip(remote, local_ids):
+                        got = local[layer][d * BLOCK_BYTES:(d + 1) * BLOCK_BYTES]
+                        if not np.all(got == _pattern(r, layer)):
+                            raise RuntimeError(f"wrong bytes in local block {d} layer {layer}")
+            raw_s = _raw_reads(decode.te._engine, prefills, plan, local_bases)
+            if rnd:
+                latencies.extend(done.values())
+                walls.append(wall)
+                raw.append(raw_s)
+    finally:
+        decode.close()
+        leaks = [p.close() for p in prefills]
+    request_bytes = BLOCKS_PER_REQUEST * NUM_LAYERS * BLOCK_BYTES
+    total = in_flight * request_bytes
+    wall = sorted(walls)[len(walls) // 2]
+    raw_s = sorted(raw)[len(raw) // 2]
+    return {
+        "prefills": num_prefills,
+        "in_flight": in_flight,
+        "request_MiB": request_bytes / (1 << 20),
+        "pulls_per_s": in_flight / wall,
+        "GB_per_s": total / wall / 1e9,
+        "p50_ms": 1e3 * _quantile(latencies, 0.5),
+        "p99_ms": 1e3 * _quantile(latencies, 0.99),
+        "raw_GB_per_s": total / raw_s / 1e9,
+        "vs_raw": raw_s / wall,
+        "prefill_leaks": leaks,
+    }
+
+
+def run(quick: bool = False) -> list[dict]:
+    rounds = 3 if quick else 10
+    return [measure(p, n, rounds) for p in PREFILLS for n in IN_FLIGHT]
+
+
+def write_rows(rows: list[dict], path: str | os.PathLike[str]) -> None:
+    head = ["prefills", "in flight", "pulls/s", "GB/s", "p50 ms", "p99 ms", "best raw TE GB/s", "of raw"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append(f"| {r['prefills']} | {r['in_flight']} | {r['pulls_per_s']:.0f} | {r['GB_per_s']:.2f} | "
+                     f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['raw_GB_per_s']:.2f} | {r['vs_raw']:.2f} |")
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"]:
+        return _serve(argv[1], int(argv[2]), int(argv[3]))
+    rows = run(quick="--quick" in argv)
+    out = ROOT / "benchmarks" / "pull_concurrency.md"
+    write_rows(rows, out)
+    print(out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    sys.exit(main(sys.argv[1:]))
