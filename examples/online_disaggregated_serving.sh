@@ -33,7 +33,8 @@ start() {  # start NAME <<'CMD' ... CMD: its own process group, so cleanup stops
 }
 wait_healthy() {  # wait_healthy NAME PORT
   for _ in $(seq 1 600); do
-    curl -sf "http://127.0.0.1:$2/health" >/dev/null && return 0
+    python -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$2/health', timeout=5).status_code != 200)" \
+      2>/dev/null && return 0
     sleep 1
   done
   echo "$1 did not become healthy; its log:" >&2; tail -40 "$LOGS/$1.log" >&2; exit 1
@@ -72,6 +73,12 @@ r = client.completions.create(model=model, prompt="Disaggregated prefill moves t
                               temperature=0, extra_body={"return_token_ids": True})
 print(f"{time.perf_counter() - t0:.2f}s  tokens {r.choices[0].token_ids}  text {r.choices[0].text!r}")
 EOF
-echo "--- the proxy's view of its instances:"
-curl -s "http://127.0.0.1:$PROXY_PORT/health"; echo
-curl -s "http://127.0.0.1:$PROXY_PORT/metrics" | grep '^kv_proxy_requests_total'
+echo "--- the proxy's view of its instances (/health) and its request counter (/metrics):"
+python - "$PROXY_PORT" <<'EOF'
+import sys
+import httpx
+
+base = f"http://127.0.0.1:{sys.argv[1]}"
+print(httpx.get(f"{base}/health").text)
+print("\n".join(ln for ln in httpx.get(f"{base}/metrics").text.splitlines() if ln.startswith("kv_proxy_requests_total")))
+EOF
