@@ -67,9 +67,6 @@ class MooncakeConfig(ConnectorConfig, frozen=True):
     # Opt-in integrity check (needs xxhash: kv-mooncake[verify]): the prefill digests each block per
     # KV head when the request finishes, the decode checks what it read; a mismatch is a load error.
     verify_kv: bool = False
-    # Opt-in integrity check (needs xxhash: kv-mooncake[verify]): the prefill digests each block per
-    # KV head when the request finishes, the decode checks what it read; a mismatch is a load error.
-    verify_kv: bool = False
     # vllm-ascend's keys (values as its docs write them, strings included).
     prefill: ParallelSizes | None = None
     decode: ParallelSizes | None = None
@@ -106,6 +103,10 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
     # One side-channel port per worker rank (DP rank r adds r * world size, not known here).
     ranks = (config.prefill.tp_size if producer and config.prefill and config.prefill.tp_size else 1)
     plan = Preflight(modules=[("mooncake.engine", "TransferEngine", "Mooncake TransferEngine")])
+    from kv_mooncake.declared_layout import start_up_contradictions
+
+    # Without the engine's own layout only the role-independent refusals can be known here.
+    plan.problems.extend(start_up_contradictions(config, is_producer=False, is_consumer=False, tp_size=0, pp_size=0))
     if producer or config.decode_side_channel:
         for rank in range(ranks):
             plan.bind.append((config.side_channel_host, base + rank, f"side channel of worker rank {rank}"))
