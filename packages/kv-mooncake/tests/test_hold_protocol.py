@@ -229,3 +229,30 @@ def test_only_young_holds_count_as_pending_frees():
     assert not sched.has_pending_block_frees(), "an old hold stalls the prefill's scheduling"
     sched.update_connector_output({"r"})
     assert not sched.has_pending_block_frees()
+
+
+def test_heartbeats_to_a_frozen_prefill_do_not_delay_dones_to_a_healthy_one():
+    """Accepted requests of a frozen prefill get a heartbeat every step (the decode keeps stepping):
+    they must neither pile up nor hold back the DONE that frees a healthy prefill's blocks."""
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(16)
+    cfg = MooncakeConfig(hold_timeout_s=30.0, lease_s=3.0)
+    prefill = _prefill(cfg, _free_port())
+    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=_free_port(),
+                            total_kv_heads=4, engine_factory=FakeTransferEngine)
+    decode.register_cache(_cache(), SHAPE, "float32")
+    try:
+        prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0])]))
+        waiting = [RemoteSource(engine_id="P", host="127.0.0.1", port=frozen.getsockname()[1], request_id=f"f{i}",
+                                block_ids=[0]) for i in range(4)]
+        for _ in range(5):  # five engine steps, each with heartbeats for the four waiting requests
+            decode.start_step(MooncakeStep(keepalives=waiting))
+        source = RemoteSource(engine_id="P", host="127.0.0.1", port=prefill.side_channel_port, request_id="r",
+                              block_ids=[0])
+        decode.start_step(MooncakeStep(frees=[source]))  # the decode aborted "r": FreeNow, on the same path as DONE
+        assert _wait_freed(prefill, "r", 2.0), "the FreeNow waited behind heartbeats to a frozen prefill"
+    finally:
+        decode.close()
+        prefill.close()
+        frozen.close()

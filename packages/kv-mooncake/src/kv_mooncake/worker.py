@@ -251,6 +251,9 @@ class MooncakeWorker:
         self.server: side_channel.SideChannelServer | None = None
         self._queues: PeerQueues | None = None  # decode: one pull queue per prefill rank
         self._notifier: ThreadPoolExecutor | None = None  # DONE / FreeNow delivery, off the pull threads
+        # Hold heartbeats on their own thread: one to a frozen prefill must not delay a DONE.
+        self._heartbeats: ThreadPoolExecutor | None = None
+        self._heartbeats_queued: set[str] = set()
         self._breaker = PeerBreaker()  # decode: prefill ranks presumed down fail fast
         # Kept-open connections to the prefill ranks: a new one per message cost ~5 ms per pull.
         self._client = side_channel.SideChannelClient(P.REPLY_TYPES, config.max_message_bytes)
@@ -315,14 +318,19 @@ class MooncakeWorker:
         if self.is_consumer:
             self._queues = PeerQueues(self.config.num_pull_threads, name="mooncake-pull")
             self._notifier = ThreadPoolExecutor(2, thread_name_prefix="mooncake-done")
+            self._heartbeats = ThreadPoolExecutor(1, thread_name_prefix="mooncake-heartbeat")
 
     # ---- per step ----------------------------------------------------------------------------
     def start_step(self, step: MooncakeStep) -> None:
         for hold in step.holds:
             self._hold(hold.request_id, hold.num_blocks, hold.block_ids, hold.ttl_s)
         for source in step.keepalives:
-            if self._notifier is not None and self.decode_rank == DecodeRank(0):
-                self._notifier.submit(self._keep_alive, source)
+            if self._heartbeats is not None and self.decode_rank == DecodeRank(0):
+                with self._lock:  # one queued heartbeat per request: a silent peer cannot pile them up
+                    queued = source.request_id in self._heartbeats_queued
+                    self._heartbeats_queued.add(source.request_id)
+                if not queued:
+                    self._heartbeats.submit(self._keep_alive, source)
         for source in step.frees:
             if self._notifier is not None:
                 self._notifier.submit(self._tell_free, source)
@@ -850,7 +858,9 @@ class MooncakeWorker:
                                      f"{span.src_head + span.num_heads - 1}) differs from the prefill's digest")
 
     def _keep_alive(self, source: RemoteSource) -> None:
-        """One try per prefill rank: the next heartbeat comes a third of a lease later."""
+        """One short try per prefill rank: the next heartbeat comes a third of a lease later."""
+        with self._lock:
+            self._heartbeats_queued.discard(source.request_id)
         prefill = self._layouts(source)
         message = P.HoldKeepAlive(request_id=source.request_id, reader_id=self.reader_id)
         for rank in prefill.ranks():
@@ -858,7 +868,7 @@ class MooncakeWorker:
             if self._breaker.state(address) != "closed":
                 continue  # presumed down: its pulls fail fast anyway
             try:
-                self._request(address, message, min(self.config.lease_s / 3, self.config.handshake_timeout_s))
+                self._request(address, message, min(1.0, self.config.lease_s / 3, self.config.handshake_timeout_s))
                 self._breaker.answered(address)
             except side_channel.SideChannelError as exc:
                 logger.debug("MooncakeConnectorV1: keep-alive to %s not delivered: %s", address, exc)
@@ -879,6 +889,8 @@ class MooncakeWorker:
         self._closed = True
         if self._queues is not None:
             self._queues.close(cancel=True)
+        if self._heartbeats is not None:
+            self._heartbeats.shutdown(wait=True, cancel_futures=True)
         if self._notifier is not None:
             self._notifier.shutdown(wait=True)  # owed DONEs go out (each bounded by lease_s)
         self._client.close()
