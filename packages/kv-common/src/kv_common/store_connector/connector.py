@@ -24,6 +24,7 @@ from kv_common.failure_ledger import FailureLedger
 from kv_common.logging_utils import get_logger
 from kv_common.store_connector import keys as keys_mod
 from kv_common.store_connector.config import StoreConnectorConfig
+from kv_common.store_connector.failure_policy import apply_recompute_policy
 from kv_common.store_connector.scheduler import StoreScheduler
 from kv_common.store_connector.stats import StoreStats, vllm_stats_class
 from kv_common.store_connector.vllm_metadata import StoreConnectorMetadata, StoreWorkerMetadata
@@ -103,9 +104,8 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
             warning = hash_seed_warning(str(fp.get("hash_algo", "")))
             if warning:
                 logger.warning("%s: %s", self.connector_name, warning)
-            if cfg.load_failure_policy == "recompute" and getattr(ktc, "kv_load_failure_policy", None) != "recompute":
-                logger.info("%s: setting kv_load_failure_policy='recompute' (a store miss recomputes)", self.connector_name)
-                ktc.kv_load_failure_policy = "recompute"
+            if cfg.load_failure_policy == "recompute":
+                self._apply_recompute_policy(ktc)
             tags = keys_mod.all_rank_tags(
                 tp_size=fp["tp_size"], pcp_size=fp["pcp_size"], dcp_size=fp["dcp_size"],
                 use_mla=fp["use_mla"], total_kv_heads=fp["total_kv_heads"],
@@ -134,6 +134,23 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
                 backend=self.backend, namespace=self.namespace, rank_tag=tag, config=cfg,
                 layer_groups=groups, stats=self.stats, ledger=self.ledger, writes_blocks=writes,
             )
+
+    def _apply_recompute_policy(self, ktc: Any) -> None:
+        """A store miss or corrupt block must cost a recompute, never the request: set vLLM's
+        kv_load_failure_policy on the config the scheduler reads (the outer one under
+        MultiConnector, see ``failure_policy``)."""
+        changed = apply_recompute_policy(ktc, type(self).__name__)
+        outer = [c for c in changed if c is not ktc]
+        if outer:
+            logger.warning(
+                "%s: set kv_load_failure_policy='recompute' on the enclosing MultiConnector's kv_transfer_config "
+                "(was 'fail'): a store block that fails to load is recomputed instead of failing the request. "
+                "This applies to every child connector's load failures (a failed P2P pull is recomputed too); "
+                "set load_failure_policy='vllm' in this connector's extra config to keep vLLM's setting.",
+                self.connector_name,
+            )
+        elif changed:
+            logger.info("%s: setting kv_load_failure_policy='recompute' (a store miss recomputes)", self.connector_name)
 
     # ---- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -230,6 +247,13 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return vllm_stats_class().build(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from kv_common.store_connector.stats import build_prom_metrics
+
+        return build_prom_metrics(cls.__name__, vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def leak_report(self) -> dict[str, int]:
         side = self._scheduler if self._scheduler is not None else self._worker

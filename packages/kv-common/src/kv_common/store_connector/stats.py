@@ -87,3 +87,87 @@ def __getattr__(name: str) -> Any:
     if name == "StoreConnectorStats":
         return vllm_stats_class()
     raise AttributeError(name)
+
+
+_LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+# metric suffix -> counter in the stats dict ("counters" unless noted)
+_PROM_COUNTERS = {
+    "lookup_hits": "Store lookups that found blocks beyond the local prefix cache.",
+    "lookup_misses": "Store lookups that found nothing to load.",
+    "lookup_hit_tokens": "Tokens the store lookups offered to load.",
+    "lookup_timeouts": "Store lookups that did not answer in time (counted as misses).",
+    "lookup_breaker_opened": "Times the lookup circuit breaker opened (lookups timed out in a row).",
+    "lookup_breaker_skips": "Lookups answered as misses without asking the backend (breaker open).",
+    "load_timeouts": "Store loads that missed load_timeout_s (their blocks were recomputed).",
+    "loads_skipped_backend_stalled": "Store loads failed at once while a late load still ran.",
+    "save_timeouts": "Store saves given up after save_timeout_s (their blocks released).",
+    "blocks_loaded": "KV blocks loaded from the store and verified.",
+    "blocks_load_failed": "KV blocks that failed to load (missing or corrupt) and were recomputed.",
+    "blocks_saved": "KV blocks saved to the store.",
+    "blocks_save_failed": "KV blocks the store refused or failed to save.",
+    "get_bytes": "Bytes loaded from the store.",
+    "put_bytes": "Bytes saved to the store.",
+}
+
+
+def build_prom_metrics(
+    connector_name: str, vllm_config: Any, metric_types: dict, labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> Any:
+    """``KVConnectorBase_V1.build_prom_metrics`` for the store connectors.
+
+    Needed beyond the metrics themselves: vLLM's MultiConnector asserts that every child whose
+    stats it observes registered Prometheus metrics, so a store connector beside one that has them
+    (MooncakeConnectorV1) would otherwise crash the engine's stats logging on its first stats.
+    """
+    from prometheus_client import Counter, Histogram
+
+    from kv_common.vllm_compat import metrics_module
+
+    KVConnectorPromMetrics = metrics_module().KVConnectorPromMetrics  # noqa: N806
+
+    def create_metric_per_engine(metric: Any, labelvalues: dict[int, list[object]]) -> dict[int, Any]:
+        return {idx: metric.labels(*values) for idx, values in labelvalues.items()}  # as vLLM's helper
+
+    prefix = "vllm:" + "".join(c if c.isalnum() else "_" for c in connector_name.lower())
+
+    class StorePromMetrics(KVConnectorPromMetrics):
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            counter_cls, histogram_cls = metric_types[Counter], metric_types[Histogram]
+            self.counters = {
+                key: create_metric_per_engine(
+                    counter_cls(name=f"{prefix}_{key}", documentation=doc, labelnames=labelnames),
+                    per_engine_labelvalues,
+                )
+                for key, doc in _PROM_COUNTERS.items()
+            }
+            self.failures = create_metric_per_engine(
+                counter_cls(name=f"{prefix}_failures", documentation="Store failures of any kind.",
+                            labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            self.latency = {
+                op: create_metric_per_engine(
+                    histogram_cls(name=f"{prefix}_{op}_seconds", documentation=f"Store {op} latency (seconds).",
+                                  buckets=_LATENCY_BUCKETS, labelnames=labelnames),
+                    per_engine_labelvalues,
+                )
+                for op in ("put", "get")
+            }
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            data = transfer_stats_data or {}
+            counters = data.get("counters") or {}
+            for key in _PROM_COUNTERS:
+                value = counters.get(key, 0)
+                if value:
+                    self.counters[key][engine_idx].inc(value)
+            failed = sum((data.get("failures") or {}).values())
+            if failed:
+                self.failures[engine_idx].inc(failed)
+            for op in ("put", "get"):
+                for seconds in data.get(f"{op}_durations_s") or ():
+                    self.latency[op][engine_idx].observe(seconds)
+
+    return StorePromMetrics()
