@@ -281,6 +281,41 @@ def test_hung_save_releases_its_request_and_later_saves_are_skipped(backend):
     worker.close(1)
 
 
+class LateReadingPartsBackend(BlockingPartsBackend):
+    """Reads the parts of a put only after the gate opens (as Mooncake reads the KV buffers after
+    the master answered): a given-up save can then read blocks vLLM has reused."""
+
+    def batch_put_parts(self, keys, parts):
+        self._gate("put")
+        return EmbeddedBackend.batch_put(self, keys, [b"".join(p) for p in parts])
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["no-checksum", "checksum"])
+def test_a_given_up_save_never_stores_another_requests_kv(checksum):
+    backend = LateReadingPartsBackend(16 << 20)
+    try:
+        worker, caches = make_worker(backend, save_timeout_s=0.3, checksum=checksum)
+        original = {name: c[1:3].clone() for name, c in caches.items()}
+        backend.hold("put")
+        worker.submit_saves(StorePlan(saves=[transfer("s", HASHES[:2], [1, 2])]))
+        time.sleep(0.4)
+        assert worker.get_finished({"s"}) == {"s"}  # given up: vLLM frees and reuses blocks 1-2
+        for c in caches.values():
+            c[1:3] = 7.0
+        backend.release("put")
+        deadline = time.monotonic() + 5
+        while backend.batch_exists(worker._keys(HASHES[:2])) != [True, True] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker.load_sync(StorePlan(loads=[transfer("l", HASHES[:2], [9, 10])]))
+        failed = worker.ledger.take_block_ids_with_load_errors()
+        for name, c in caches.items():
+            # either the request's own KV was stored, or the load fails (recompute): never the 7s
+            assert failed == {9, 10} or torch.equal(c[9:11], original[name]), "another request's KV was stored"
+        worker.close(1)
+    finally:
+        backend.release_all()
+
+
 def test_saves_of_a_healthy_backend_are_not_given_up(backend):
     worker, _ = make_worker(backend, save_timeout_s=0.3)
     worker.submit_saves(StorePlan(saves=[transfer("s", HASHES, [1, 2, 3, 4])]))

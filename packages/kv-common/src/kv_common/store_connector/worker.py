@@ -315,6 +315,12 @@ class StoreWorker:
             with self._lock:
                 self._pending_saves[transfer.request_id].append(job)
 
+    def _parts_saves_safe(self) -> bool:
+        """A zero-copy put lets the backend read the KV blocks themselves, possibly late: after a
+        save was given up (save_timeout_s), from blocks vLLM gave to another request. The check
+        sealed before the release catches that at load time; without one, saves use staging."""
+        return self.config.checksum or self._mac_key is not None or self.config.save_timeout_s <= 0
+
     def _saver_stalled(self) -> bool:
         since = self._saving_since
         timeout = self.config.save_timeout_s
@@ -341,7 +347,7 @@ class StoreWorker:
             logger.warning("store save of %s skipped: exists check failed (%s)", transfer.request_id, exc)
             return
         todo = [i for i, p in enumerate(present) if not p]
-        if self._parts:
+        if self._parts and self._parts_saves_safe():
             self._save_parts(transfer, keys, todo)
             return
         # Runs of consecutive blocks to save, chunked to the staging size.
