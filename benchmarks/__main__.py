@@ -35,8 +35,6 @@ ORDER = [
     "bench_ucm",
     "bench_ucm_store",
 ]
-# A module left out when the other one exists (two helpers' benches of the same thing).
-SUPERSEDED_BY = {"bench_integrity_cost": "bench_integrity"}
 SUMMARY_END = "<!-- /summary -->"
 SECTIONS_END = "<!-- /sections -->"
 
@@ -71,6 +69,27 @@ def as_section(module, result) -> Section:
     tables = [table(keys, [[r.get(k, "–") for k in keys] for r in rows])] if rows else []
     return Section(title=title, summary=(module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "),
                    tables=tables, notes=["rows as the module returns them (it builds no Section of its own)"])
+
+
+def from_main(module, quick: bool) -> Section:
+    """Run a bench module that has only ``main()`` (it parses ``sys.argv`` and prints Markdown):
+    what it prints becomes the section's body, under its docstring's first line."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    argv = sys.argv
+    sys.argv = [module.__name__] + (["--quick"] if quick else [])
+    try:
+        with contextlib.redirect_stdout(out):
+            module.main()
+    finally:
+        sys.argv = argv
+    doc = (module.__doc__ or module.__name__).strip()
+    title = doc.split("\n\n")[0].replace("\n", " ")
+    short = title.split(":")[0] if ":" in title[:80] else title[:80]
+    return Section(title=short, summary=title, tables=[out.getvalue().strip()],
+                   notes=["printed by the module's own main() (it builds no Section): no generated findings"])
 
 
 def section_block(name: str, s: Section) -> str:
@@ -147,7 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     names = _ordered(
         [m.name for m in pkgutil.iter_modules([str(ROOT / "benchmarks")]) if m.name.startswith("bench_")]
     )
-    names = [n for n in names if SUPERSEDED_BY.get(n) not in names]
     if args.only:
         names = [n for n in names if n in args.only]
     mode = "quick" if args.quick else "full"
@@ -160,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}", flush=True)
         try:
             module = importlib.import_module(f"benchmarks.{name}")
-            section = as_section(module, module.run(quick=args.quick))
+            if hasattr(module, "run"):
+                section = as_section(module, module.run(quick=args.quick))
+            else:  # a standalone script (a main() printing Markdown): its output is the section
+                section = from_main(module, args.quick)
         except Exception as exc:  # one broken bench must not hide the others' numbers
             traceback.print_exc()
             section = Section(title=name, notes=[f"failed: {type(exc).__name__}: {exc}"])

@@ -5,7 +5,7 @@ value per block), single thread, block sizes of a KV block's range; a plain copy
 (``bytearray`` slice copy) is the memory-speed reference. Algorithms whose module is not installed
 are reported as such (``crc32c`` and ``xxhash`` are PyPI packages; zlib ships with Python).
 
-Superseded by ``bench_integrity`` when that module exists (see ``benchmarks/__main__.py``).
+``bench_integrity`` measures the same checks end to end, through the store worker.
 """
 
 from __future__ import annotations

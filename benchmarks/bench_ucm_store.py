@@ -149,7 +149,7 @@ def run(quick: bool) -> Section:
         got = sorted((results[s][f"{d}_conn"] / results[s][f"{d}_raw"], s) for s in sizes)
         worst, at = got[0]
         section.claims.append(against_target(
-            f"kv-ucm {d}, connector / UCM native with crc32, worst block size ({at >> 10} KiB; range "
+            f"kv-ucm {d}, connector / UCM native with the value check on, worst block size ({at >> 10} KiB; range "
             f"{got[0][0]:.2f}-{got[-1][0]:.2f})", worst, 0.9, fmt=".2f"))
     try:
         section.plots.append(_plot(results, sizes))
@@ -179,7 +179,7 @@ def _plot(results: dict, sizes: list[int]) -> str:
     axes[2].axhline(0.9, color="r", linestyle=":", label="target 0.9")
     axes[2].set_ylim(0, 1.4)
     axes[2].set_ylabel("connector / native (medians)")
-    axes[2].set_title("ratio, crc32 on")
+    axes[2].set_title("ratio, value check on")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
