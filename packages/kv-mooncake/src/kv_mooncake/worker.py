@@ -4,9 +4,11 @@ Prefill rank: registers its KV cache with the TransferEngine, answers the side c
 pull leases, DONE, FreeNow) and keeps finished requests' blocks in a ``DelayedFreeTracker`` until
 every expected reader is done, the hold expires, or the decode says nobody will read them.
 
-Decode rank: pulls each request's blocks on a thread pool (plan from ``pull_plan``), with a
-deadline; a failure marks the request's blocks (all groups) as load errors so vLLM's
-``kv_load_failure_policy`` decides, and the request is reported finished either way.
+Decode rank: plans each request's pulls (``pull_plan``) and reads from every prefill rank in
+parallel, each rank on its own queue behind a circuit breaker (``peer_health``), with a deadline;
+the blocks not read become load errors so vLLM's ``kv_load_failure_policy`` decides, and the
+request is reported finished either way. Accepted requests keep their prefill hold alive
+(``HoldKeepAlive``) until their pull takes a lease.
 """
 
 from __future__ import annotations
