@@ -35,16 +35,39 @@ logger = get_logger(__name__)
 _base = base_module()
 
 
+def pp_stage(parallel: Any) -> tuple[int, int]:
+    """(stage, number of stages) of this worker, by vLLM's own rule for which layers a worker holds
+    (``ModelConfig.get_layers_start_end_indices``: ranks are laid out DP x PP x TP)."""
+    pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    rank = int(getattr(parallel, "rank", 0) or 0)
+    return (rank // tp_size) % pp_size, pp_size
+
+
 def store_fingerprint(vllm_config: Any) -> dict[str, Any]:
-    """Everything that decides whether two instances can exchange a stored block."""
+    """Everything that decides whether two instances can exchange a stored block: any setting that
+    changes the bytes of a block under the same key. The same on the scheduler and on every worker
+    (the PP stage is in the rank tag, not here)."""
     fp = model_fingerprint(vllm_config)
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    fp["hash_algo"] = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
+    cache = vllm_config.cache_config
+    fp["hash_algo"] = str(getattr(cache, "prefix_caching_hash_algo", ""))
+    fp["revision"] = str(getattr(model, "revision", None) or "")
+    fp["quantization"] = str(getattr(model, "quantization", None) or "")
+    # KV dtype by name: "auto" is the model dtype, so auto-over-bf16 and an explicit bf16 agree
+    cache_dtype = str(getattr(cache, "cache_dtype", "auto") or "auto")
+    if cache_dtype == "auto":
+        cache_dtype = str(getattr(model, "dtype", "")).removeprefix("torch.")
+    fp["cache_dtype"] = cache_dtype
+    # Layer set: the whole model's layers and how vLLM splits them over the PP stages (an uneven
+    # VLLM_PP_LAYER_PARTITION gives a stage other layers under the same stage tag).
+    fp["pp_size"] = pp_stage(parallel)[1]
+    fp["pp_layer_partition"] = os.environ.get("VLLM_PP_LAYER_PARTITION", "") if fp["pp_size"] > 1 else ""
     for name, getter in (
         ("total_kv_heads", lambda: model.get_total_num_kv_heads()),
         ("head_size", lambda: model.get_head_size()),
-        ("num_layers", lambda: model.get_num_layers(parallel)),
+        ("num_layers", lambda: model.get_total_num_hidden_layers()),
     ):
         try:
             fp[name] = int(getter())
@@ -108,7 +131,7 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
                 self._apply_recompute_policy(ktc)
             tags = keys_mod.all_rank_tags(
                 tp_size=fp["tp_size"], pcp_size=fp["pcp_size"], dcp_size=fp["dcp_size"],
-                use_mla=fp["use_mla"], total_kv_heads=fp["total_kv_heads"],
+                use_mla=fp["use_mla"], total_kv_heads=fp["total_kv_heads"], pp_size=fp["pp_size"],
             )
             self._scheduler = StoreScheduler(
                 backend=self.backend, namespace=self.namespace, rank_tags=tags, block_size=self.block_size,
@@ -116,15 +139,16 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
             )
         else:
             ranks = parallel_ranks()
+            pp_rank, pp_size = pp_stage(vllm_config.parallel_config)
             tag = keys_mod.rank_tag(
                 tp_rank=ranks["tp_rank"], tp_size=fp["tp_size"], pcp_rank=ranks["pcp_rank"],
                 pcp_size=fp["pcp_size"], dcp_rank=ranks["dcp_rank"], dcp_size=fp["dcp_size"],
-                use_mla=fp["use_mla"], total_kv_heads=fp["total_kv_heads"],
+                use_mla=fp["use_mla"], total_kv_heads=fp["total_kv_heads"], pp_rank=pp_rank, pp_size=pp_size,
             )
             writes = keys_mod.writes_tag(
                 tp_rank=ranks["tp_rank"], tp_size=fp["tp_size"], pcp_rank=ranks["pcp_rank"],
                 pcp_size=fp["pcp_size"], dcp_size=fp["dcp_size"], use_mla=fp["use_mla"],
-                total_kv_heads=fp["total_kv_heads"],
+                total_kv_heads=fp["total_kv_heads"], pp_rank=pp_rank, pp_size=pp_size,
             )
             groups: dict[str, int] = {}
             for g, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):

@@ -13,6 +13,9 @@ A key names one block of one rank's KV cache::
   ranks holding the same replicated heads share one copy (their head group). Context parallelism
   shards tokens: each (pcp, dcp) shard has its own tag. DCP reuses the TP ranks as in vLLM (TP rank
   ``t`` is DCP rank ``t % dcp``).
+- pipeline parallelism: each PP stage holds other layers, so each stage has its own tags
+  (``pp<stage>of<size>.`` in front; nothing without PP). The namespace covers the whole model's
+  layer count and vLLM's layer split, so a tag always names the same layers.
 - of the ranks that share a tag, only the lowest TP rank writes it (:func:`writes_tag`): the others
   hold the same bytes.
 """
@@ -53,34 +56,44 @@ def rank_tag(
     dcp_size: int = 1,
     use_mla: bool = False,
     total_kv_heads: int = 0,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> str:
+    if pp_size < 1 or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp rank {pp_rank} outside size {pp_size}")
+    stage = f"pp{pp_rank}of{pp_size}." if pp_size > 1 else ""
     shard = f"pcp{pcp_rank}of{pcp_size}.dcp{dcp_rank}of{dcp_size}"
     if use_mla:
         # One latent copy per token shard (plain "mla" without context parallelism).
-        return "mla" if pcp_size == dcp_size == 1 else f"mla.{shard}"
+        return stage + ("mla" if pcp_size == dcp_size == 1 else f"mla.{shard}")
     group, groups = head_group(tp_rank, tp_size, total_kv_heads)
-    return f"hg{group}of{groups}.{shard}"
+    return f"{stage}hg{group}of{groups}.{shard}"
 
 
 def _tags_by_tp_rank(
-    *, tp_size: int, pcp_rank: int, pcp_size: int, dcp_size: int, use_mla: bool, total_kv_heads: int
+    *, tp_size: int, pcp_rank: int, pcp_size: int, dcp_size: int, use_mla: bool, total_kv_heads: int,
+    pp_rank: int = 0, pp_size: int = 1,
 ) -> list[str]:
     return [
         rank_tag(tp_rank=tp, tp_size=tp_size, pcp_rank=pcp_rank, pcp_size=pcp_size, dcp_rank=tp % dcp_size,
-                 dcp_size=dcp_size, use_mla=use_mla, total_kv_heads=total_kv_heads)
+                 dcp_size=dcp_size, use_mla=use_mla, total_kv_heads=total_kv_heads, pp_rank=pp_rank,
+                 pp_size=pp_size)
         for tp in range(tp_size)
     ]
 
 
 def all_rank_tags(
-    *, tp_size: int = 1, pcp_size: int = 1, dcp_size: int = 1, use_mla: bool = False, total_kv_heads: int = 0
+    *, tp_size: int = 1, pcp_size: int = 1, dcp_size: int = 1, use_mla: bool = False, total_kv_heads: int = 0,
+    pp_size: int = 1,
 ) -> list[str]:
     """Every distinct tag of one instance: a block is usable only when all of them are stored."""
     tags: dict[str, None] = {}
-    for pcp in range(pcp_size):
-        for tag in _tags_by_tp_rank(tp_size=tp_size, pcp_rank=pcp, pcp_size=pcp_size, dcp_size=dcp_size,
-                                    use_mla=use_mla, total_kv_heads=total_kv_heads):
-            tags[tag] = None
+    for pp in range(pp_size):
+        for pcp in range(pcp_size):
+            for tag in _tags_by_tp_rank(tp_size=tp_size, pcp_rank=pcp, pcp_size=pcp_size, dcp_size=dcp_size,
+                                        use_mla=use_mla, total_kv_heads=total_kv_heads, pp_rank=pp,
+                                        pp_size=pp_size):
+                tags[tag] = None
     return list(tags)
 
 
@@ -93,10 +106,12 @@ def writes_tag(
     dcp_size: int = 1,
     use_mla: bool = False,
     total_kv_heads: int = 0,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> bool:
     """Whether this rank saves its tag: only the lowest TP rank of those holding the same bytes."""
     tags = _tags_by_tp_rank(tp_size=tp_size, pcp_rank=pcp_rank, pcp_size=pcp_size, dcp_size=dcp_size,
-                            use_mla=use_mla, total_kv_heads=total_kv_heads)
+                            use_mla=use_mla, total_kv_heads=total_kv_heads, pp_rank=pp_rank, pp_size=pp_size)
     return tags.index(tags[tp_rank]) == tp_rank
 
 
