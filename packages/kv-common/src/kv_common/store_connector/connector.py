@@ -249,6 +249,9 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is None:
             return

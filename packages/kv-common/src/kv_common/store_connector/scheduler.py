@@ -274,6 +274,11 @@ class StoreScheduler:
             return True, None  # freed when the workers report the saves done (finished_sending)
         return False, None
 
+    def has_pending_block_frees(self) -> bool:
+        """Finished requests whose blocks wait for their saves: vLLM waits for these frees instead of
+        preempting a running request when it runs out of blocks."""
+        return bool(self._held)
+
     def on_finished_sending(self, request_ids: Iterable[str]) -> None:
         for req_id in request_ids:
             self._held.discard(req_id)
