@@ -270,6 +270,18 @@ def test_streaming_chat_relays_every_event():
         assert pre["path"] == "/v1/chat/completions" and "stream_options" not in pre["body"]
 
 
+def test_stream_events_are_relayed_as_they_arrive():
+    """Not buffered: the decode's events span 1.2 s, and so do they at the client."""
+    with running() as s:
+        s.decodes[0].scripts = [Script(chunks=5, chunk_delay_s=0.3)]
+        t0, stamps = time.monotonic(), []
+        with httpx.stream("POST", s.proxy_url + "/v1/completions", json={**BODY, "stream": True},
+                          timeout=WAIT_S) as r:
+            stamps = [time.monotonic() - t0 for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert len(stamps) == 6  # 5 token events and [DONE]
+        assert stamps[-2] - stamps[0] >= 0.6, stamps
+
+
 def test_models_health_and_metrics_endpoints():
     with running() as s:
         assert httpx.get(s.proxy_url + "/v1/models").json()["data"][0]["id"] == "tiny"
