@@ -126,7 +126,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Benchmarks: numbers and plots into BENCHMARKS.md (slow; never in the default run)."""
-    session.install("matplotlib", "tqdm", "psutil", MOONCAKE_CPU, *_engine_args(session), *_all_packages())
+    session.install("matplotlib", "tqdm", "psutil", "xxhash", "crc32c", MOONCAKE_CPU, *_engine_args(session), *_all_packages())
     session.run("python", "-m", "benchmarks", *session.posargs, env=ENV)
 
 
