@@ -103,7 +103,7 @@ def test_save_then_lookup_then_load_roundtrip():
     assert worker.leak_report()["held_requests"] == 0
     report = worker.take_report()
     sched.on_worker_report(report)
-    assert len(report.stored) == 4
+    assert len(report.stored_by_tag["r0"]) == 4  # under its rank tag
     if importlib.util.find_spec("vllm") is not None:  # KV events are vLLM types
         assert sched.take_events()  # BlockStored
 

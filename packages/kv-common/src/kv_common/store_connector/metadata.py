@@ -23,7 +23,13 @@ class StorePlan(msgspec.Struct, kw_only=True):
 
 
 class StoreReport(msgspec.Struct, kw_only=True):
-    """Worker -> scheduler: block hashes stored and found missing this step (for KV events)."""
+    """Worker -> scheduler: block hashes stored and found missing this step (for KV events).
+
+    ``stored_by_tag``: rank tag -> hashes that rank stored this step. The scheduler announces a
+    block only once every tag of the instance has stored it (ranks finish saves in different steps,
+    and vLLM skips a rank that reports nothing when it aggregates). ``stored``: hashes stored for
+    every tag at once (single-tag callers)."""
 
     stored: list[bytes] = []
+    stored_by_tag: dict[str, list[bytes]] = {}
     removed: list[bytes] = []

@@ -6,7 +6,7 @@ No torch here; the backend is only asked ``batch_exists``.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -77,6 +77,8 @@ class StoreScheduler:
         self._breaker = LookupBreaker(config.lookup_breaker_threshold, config.lookup_backoff_s, clock)
         # block hash -> (parent hash, token ids) of saves in flight, for BlockStored events
         self._block_tokens: dict[bytes, tuple[bytes | None, list[int]]] = {}
+        # block hash -> rank tags that stored it, until every tag has (oldest first, bounded)
+        self._stored_tags: OrderedDict[bytes, set[str]] = OrderedDict()
 
     # ---- lookup -------------------------------------------------------------------------
     def _exists(self, hashes: list[Any]) -> list[list[bool]]:
@@ -194,14 +196,13 @@ class StoreScheduler:
         )
 
     def _track_tokens(self, request: Any, start: int, end: int) -> None:
-        tokens = getattr(request, "all_token_ids", None)
-        if tokens is None:
-            return
+        tokens = getattr(request, "all_token_ids", None)  # None: parents still tracked (event order)
         hashes = request.block_hashes
         bs = self.block_size
         for i in range(start, end):
             parent = bytes(hashes[i - 1]) if i > 0 else None
-            self._block_tokens[bytes(hashes[i])] = (parent, list(tokens[i * bs : (i + 1) * bs]))
+            block_tokens = list(tokens[i * bs : (i + 1) * bs]) if tokens is not None else []
+            self._block_tokens[bytes(hashes[i])] = (parent, block_tokens)
         while len(self._block_tokens) > MAX_TRACKED_BLOCKS:
             del self._block_tokens[next(iter(self._block_tokens))]
 
@@ -289,10 +290,38 @@ class StoreScheduler:
         events = _events_module()
         if events is None:
             return
-        if report.stored:
-            self._events.extend(self._stored_events(events, report.stored))
+        complete = self._record_stored(report)
+        if complete:
+            self._events.extend(self._stored_events(events, complete))
         if report.removed:
             self._events.append(events.BlockRemoved(block_hashes=list(report.removed), medium="store"))
+
+    def _record_stored(self, report: StoreReport) -> list[bytes]:
+        """Blocks every rank tag has now stored, parents first; a block whose parent is still
+        waiting for a tag waits with it (no BlockStored before its parent's)."""
+        all_tags = set(self.rank_tags)
+        for h in report.stored:
+            self._stored_tags.setdefault(bytes(h), set()).update(all_tags)
+        for tag, hashes in report.stored_by_tag.items():
+            for h in hashes:
+                self._stored_tags.setdefault(bytes(h), set()).add(tag)
+        while len(self._stored_tags) > MAX_TRACKED_BLOCKS:  # a rank that never reports: drop oldest
+            dropped, _ = self._stored_tags.popitem(last=False)
+            self._block_tokens.pop(dropped, None)
+        complete: list[bytes] = []
+        progress = True
+        while progress:
+            progress = False
+            for h, tags in list(self._stored_tags.items()):
+                if not all_tags <= tags:
+                    continue
+                parent = self._block_tokens.get(h, (None, None))[0]
+                if parent is not None and parent in self._stored_tags:
+                    continue  # parent not stored by every tag yet
+                del self._stored_tags[h]
+                complete.append(h)
+                progress = True
+        return complete
 
     def take_events(self) -> list[Any]:
         taken = list(self._events)

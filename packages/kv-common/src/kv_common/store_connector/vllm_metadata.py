@@ -37,11 +37,15 @@ class StoreWorkerMetadata(_base.KVConnectorWorkerMetadata):  # type: ignore[name
         self.report = report
 
     def aggregate(self, other: StoreWorkerMetadata) -> StoreWorkerMetadata:
-        # A block is stored only when every rank stored it; removed when any rank lost it.
+        # Union per rank tag: the scheduler decides when every tag has stored a block (a rank whose
+        # save lands a step later, or that reports nothing this step, must not lose or fake it).
+        by_tag: dict[str, list[bytes]] = {t: list(hs) for t, hs in self.report.stored_by_tag.items()}
+        for tag, hashes in other.report.stored_by_tag.items():
+            by_tag[tag] = list(dict.fromkeys(by_tag.get(tag, []) + list(hashes)))
         mine = set(self.report.stored)
         stored = [h for h in other.report.stored if h in mine]
         removed = list(dict.fromkeys(self.report.removed + other.report.removed))
-        return StoreWorkerMetadata(StoreReport(stored=stored, removed=removed))
+        return StoreWorkerMetadata(StoreReport(stored=stored, stored_by_tag=by_tag, removed=removed))
 
     def __getstate__(self) -> dict:
         return {"wire": msgspec.msgpack.encode(self.report)}

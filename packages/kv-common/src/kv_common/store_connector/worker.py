@@ -695,7 +695,11 @@ class StoreWorker:
     def take_report(self) -> StoreReport | None:
         with self._lock:
             report, self._report = self._report, StoreReport()
-        return report if (report.stored or report.removed) else None
+        if not (report.stored or report.removed):
+            return None
+        # stored under this rank's tag: the scheduler announces a block once every tag stored it
+        return StoreReport(stored_by_tag={self.rank_tag: report.stored} if report.stored else {},
+                           removed=report.removed)
 
     def leak_report(self) -> dict[str, int]:
         with self._lock:
