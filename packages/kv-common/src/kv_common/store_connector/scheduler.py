@@ -287,6 +287,8 @@ class StoreScheduler:
     def on_worker_report(self, report: StoreReport | None) -> None:
         if report is None:
             return
+        if report.removed and self.save_enabled:
+            self._rewind_saves(report.removed)
         events = _events_module()
         if events is None:
             return
@@ -295,6 +297,17 @@ class StoreScheduler:
             self._events.extend(self._stored_events(events, complete))
         if report.removed:
             self._events.append(events.BlockRemoved(block_hashes=list(report.removed), medium="store"))
+
+    def _rewind_saves(self, removed: Sequence[bytes]) -> None:
+        """A block missing or corrupt at load time is recomputed by vLLM: save it (and what follows)
+        again from the recomputed KV instead of leaving the store without it."""
+        gone = {bytes(h) for h in removed}
+        for state in self._requests.values():
+            hashes = state.request.block_hashes
+            for i in range(min(state.saved_upto, len(hashes))):
+                if bytes(hashes[i]) in gone:
+                    state.saved_upto = i
+                    break
 
     def _record_stored(self, report: StoreReport) -> list[bytes]:
         """Blocks every rank tag has now stored, parents first; a block whose parent is still

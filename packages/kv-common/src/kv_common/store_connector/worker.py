@@ -484,6 +484,13 @@ class StoreWorker:
             transfer.request_id, good, n, why, n - good,
         )
         self.ledger.record_failed_load(transfer.request_id, [g[good:] for g in transfer.block_ids])
+        if kind == "corrupt":
+            # Self-healing: drop the bad value so the recomputed block can be saved in its place
+            # (the scheduler rewinds that request's saves on the "removed" report).
+            try:
+                self.backend.batch_remove(self._keys([transfer.block_hashes[good]]))
+            except Exception as exc:  # noqa: BLE001 - best effort: it stays a miss-then-recompute
+                logger.warning("store: could not remove a corrupt value: %s", exc)
         if kind != "timeout":  # a block that timed out may well be in the store
             with self._lock:
                 self._report.removed.append(transfer.block_hashes[good])
