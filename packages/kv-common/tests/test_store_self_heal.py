@@ -68,3 +68,23 @@ def test_corrupt_value_is_removed_and_saved_again():
     sched.request_finished(b, [9, 10, 11, 12, 13])
     assert drain(worker, {"b"}) == {"b"}
     assert backend.batch_exists([bad]) == [True]
+
+
+def test_prefix_served_from_vllm_local_cache_is_published_again():
+    """After the backend lost data (master restart, eviction), a prefix vLLM still serves from its
+    own prefix cache must reach the store again: the save covers the local hit too (the worker's
+    exists check skips what the store still has)."""
+    backend = EmbeddedBackend(16 << 20)
+    sched = make_scheduler(backend)
+    worker, _ = make_worker(backend)
+    tokens = list(range(4 * BS + 2))
+    req = FakeRequest("c", tokens)
+    # vLLM's local prefix cache has the first 2 blocks; the store has nothing (it lost them).
+    assert sched.get_num_new_matched_tokens(req, 2 * BS) == (0, False)
+    sched.update_state_after_alloc(req, FakeBlocks([1, 2, 3, 4, 5]), 0)
+    plan = sched.build_plan(new_req_output(req, [1, 2, 3, 4, 5], 2 * BS, 2 * BS + 2))
+    assert [list(s.block_hashes) for s in plan.saves] == [list(req.block_hashes[:4])]
+    worker.submit_saves(plan)
+    sched.request_finished(req, [1, 2, 3, 4, 5])
+    assert drain(worker, {"c"}) == {"c"}
+    assert backend.batch_exists(keys.block_keys("ns", "r0", req.block_hashes[:4])) == [True] * 4

@@ -160,8 +160,11 @@ class StoreScheduler:
         state.request = request
         lookup = self._lookups.pop(req_id, None)
         if num_external_tokens <= 0 or lookup is None:
+            # saved_upto stays where it is (0 for a new request), not at the local hit: blocks vLLM
+            # serves from its own prefix cache are saved too, so after the backend lost them (master
+            # restart, eviction) they are published again; the worker's exists check skips the ones
+            # the store still has.
             if lookup is not None:
-                state.saved_upto = max(state.saved_upto, lookup.first_block)
                 self.stats.incr("lookup_misses")
             return
         block_ids = [list(g) for g in blocks.get_block_ids()]
