@@ -95,7 +95,7 @@ SAVER = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, sys.argv[2])
-    from test_ucm_backend_posix import caches, chain, make_worker, drain, posix
+    from test_ucm_backend_posix import TAG, caches, chain, make_worker, drain, posix
     from kv_common.store_connector.metadata import BlockTransfer, StorePlan
     from kv_ucm.ucm_backend import UcmBackend
     backend = UcmBackend(posix(sys.argv[1]))
@@ -104,7 +104,7 @@ SAVER = textwrap.dedent(
     worker.submit_saves(StorePlan(saves=[BlockTransfer(request_id="r", block_hashes=hashes, block_ids=[[2, 3, 4, 5]])]))
     assert drain(worker, {"r"}) == {"r"}
     report = worker.take_report()
-    print("RESULT stored", len(report.stored), worker.value_size)
+    print("RESULT stored", len(report.stored_by_tag.get(TAG, [])), worker.value_size)
     worker.close(10)
     backend.close()
     """
@@ -224,6 +224,6 @@ def test_dump_failure_is_counted_not_raised(tmp_path):
     assert backend.counters["put_failed"] == 2
     assert worker.stats.to_dict()  # recorded
     report = worker.take_report()
-    assert report is None or not report.stored
+    assert report is None or not report.stored_by_tag
     worker.close(10)
     backend.close()
