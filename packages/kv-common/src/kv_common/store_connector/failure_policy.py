@@ -13,6 +13,7 @@ stack: the frames that are constructing us (``MultiConnector.__init__``, the fac
 from __future__ import annotations
 
 import sys
+from types import FrameType
 from typing import Any
 
 _MAX_FRAMES = 40  # the wrapper's __init__ is a handful of frames above ours
@@ -54,7 +55,7 @@ def enclosing_transfer_configs(own: Any, class_name: str, start_depth: int = 1) 
     found: list[Any] = []
     seen = {id(own)}
     try:
-        frame = sys._getframe(start_depth + 1)
+        frame: FrameType | None = sys._getframe(start_depth + 1)
     except ValueError:
         return found
     for _ in range(_MAX_FRAMES):

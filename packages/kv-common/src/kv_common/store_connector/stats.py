@@ -124,7 +124,7 @@ def build_prom_metrics(
 
     from kv_common.vllm_compat import metrics_module
 
-    KVConnectorPromMetrics = metrics_module().KVConnectorPromMetrics  # noqa: N806
+    KVConnectorPromMetrics: Any = metrics_module().KVConnectorPromMetrics  # noqa: N806 (vLLM's, known at run time)
 
     def create_metric_per_engine(metric: Any, labelvalues: dict[int, list[object]]) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in labelvalues.items()}  # as vLLM's helper
