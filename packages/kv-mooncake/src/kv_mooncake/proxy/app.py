@@ -307,15 +307,19 @@ class Proxy:
                 break
         return data[:limit]
 
+    async def _raise_for_status(self, response: httpx.Response) -> None:
+        """A 5xx fails the leg (retried elsewhere); a 4xx goes to the client as it is."""
+        if response.status_code >= 500:
+            detail = (await self._read_bounded(response)).decode("utf-8", "replace")[:500]
+            raise _LegFailed("5xx", f"{response.status_code} {detail}")
+        if response.status_code >= 400:
+            raise PassThrough(response.status_code, await self._read_bounded(response),
+                              response.headers.get("content-type"))
+
     async def _prefill_once(self, inst: Instance, path: str, body: dict, ex: Exchange) -> dict:
         response = await self._send(inst, path, body, ex)
         try:
-            if response.status_code >= 500:
-                detail = (await self._read_bounded(response)).decode("utf-8", "replace")[:500]
-                raise _LegFailed("5xx", f"{response.status_code} {detail}")
-            if response.status_code >= 400:
-                raise PassThrough(response.status_code, await self._read_bounded(response),
-                                  response.headers.get("content-type"))
+            await self._raise_for_status(response)
             content = await response.aread()
             try:
                 params = json.loads(content).get("kv_transfer_params")
@@ -372,12 +376,7 @@ class Proxy:
         """Headers and first body chunk of a decode leg (the caller bounds it by the first-byte deadline)."""
         response = await self._send(inst, path, body, ex)
         try:
-            if response.status_code >= 500:
-                detail = (await self._read_bounded(response)).decode("utf-8", "replace")[:500]
-                raise _LegFailed("5xx", f"{response.status_code} {detail}")
-            if response.status_code >= 400:
-                raise PassThrough(response.status_code, await self._read_bounded(response),
-                                  response.headers.get("content-type"))
+            await self._raise_for_status(response)
             chunks = response.aiter_bytes()
             first = b""
             with contextlib.suppress(StopAsyncIteration):
