@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kv_common.backend import scatter_into_parts
 from kv_common.embedded_backend import EmbeddedBackend
 from kv_common.store_connector.config import StoreConnectorConfig
 from kv_common.store_connector.metadata import BlockTransfer, StorePlan
@@ -74,18 +75,7 @@ class BlockingPartsBackend(BlockingBackend):
 
     def batch_get_parts(self, keys, parts):
         self._gate("get")
-        out = []
-        for value, bufs in zip(super().batch_get(keys), parts, strict=True):
-            total = sum(len(b) for b in bufs)
-            if value is None or len(value) != total:
-                out.append(-1)
-                continue
-            src, offset = memoryview(value), 0
-            for buf in bufs:
-                buf[:] = src[offset : offset + len(buf)]
-                offset += len(buf)
-            out.append(total)
-        return out
+        return [scatter_into_parts(v, bufs) for v, bufs in zip(super().batch_get(keys), parts, strict=True)]
 
 
 @pytest.fixture(params=[BlockingBackend, BlockingPartsBackend], ids=["staging", "parts"])

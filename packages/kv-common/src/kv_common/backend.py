@@ -12,6 +12,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 
+def scatter_into_parts(value: bytes | bytearray | memoryview | None, parts: Sequence[memoryview]) -> int:
+    """Copy one whole value into its parts (the store core's zero-copy layout: one buffer per block
+    slice). Returns the bytes copied, or -1 when the value is missing or not the parts' total size."""
+    total = sum(len(b) for b in parts)
+    if value is None or len(value) != total:
+        return -1
+    src, offset = memoryview(value), 0
+    for buf in parts:
+        buf[:] = src[offset : offset + len(buf)]
+        offset += len(buf)
+    return total
+
+
 class BackendError(RuntimeError):
     def __init__(self, backend: str, operation: str, code: int | None = None, detail: str = ""):
         self.backend, self.operation, self.code = backend, operation, code

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kv_common.backend import scatter_into_parts
 from kv_common.embedded_backend import EmbeddedBackend
 
 
@@ -24,17 +25,4 @@ class EmbeddedStoreBackend(EmbeddedBackend):
     def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[int]:
         if len(keys) != len(parts):
             raise ValueError(f"{len(keys)} keys but {len(parts)} buffers")
-        out: list[int] = []
-        for value, bufs in zip(self.batch_get(keys), parts, strict=True):
-            total = sum(len(b) for b in bufs)
-            if value is None or len(value) != total:
-                out.append(-1)
-                continue
-            src = memoryview(value)
-            offset = 0
-            for buf in bufs:
-                size = len(buf)
-                buf[:] = src[offset : offset + size]
-                offset += size
-            out.append(total)
-        return out
+        return [scatter_into_parts(value, bufs) for value, bufs in zip(self.batch_get(keys), parts, strict=True)]

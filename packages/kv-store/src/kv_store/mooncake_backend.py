@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kv_common.backend import Backend, BackendError
+from kv_common.backend import Backend, BackendError, scatter_into_parts
 from kv_common.logging_utils import get_logger
 
 logger = get_logger(__name__)
@@ -170,18 +170,8 @@ class MooncakeBackend(Backend):
         ptrs, sizes = self._part_addresses(parts)
         out: list[int] = []
         if ptrs is None or sizes is None:
-            for key, bufs in zip(keys, parts, strict=True):
-                data = self._store.get(key)
-                total = sum(len(b) for b in bufs)
-                if not data or len(data) != total:
-                    out.append(-1)
-                    continue
-                src, offset = memoryview(data), 0
-                for buf in bufs:
-                    buf[:] = src[offset : offset + len(buf)]
-                    offset += len(buf)
-                out.append(total)
-            return out
+            # A missing key reads as b'' here: no data, as for None.
+            return [scatter_into_parts(self._store.get(key) or None, bufs) for key, bufs in zip(keys, parts, strict=True)]
         codes = self._store.batch_get_into_multi_buffers(list(keys), ptrs, sizes)
         for code, size in zip(codes, sizes, strict=True):
             if code < 0:
