@@ -39,7 +39,7 @@ class HoldProtocol(RuleBasedStateMachine):
         cfg = MooncakeConfig(hold_timeout_s=HOLD_S, lease_s=LEASE_S, keepalive_max_s=KEEPALIVE_MAX_S)
         self.done_readers: dict[str, set[str]] = {}  # distinct DONEs the prefill received
         self.w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=1)
-        self.w.tracker = DelayedFreeTracker(self.w._on_free, clock=lambda: self.now)
+        self.w.holder.tracker = DelayedFreeTracker(self.w.holder._on_free, clock=lambda: self.now)
         self.network: list[tuple] = []  # (kind, request, reader, sent_at): in flight, any order
         self.freed: dict[str, int] = {}
         self.held: set[str] = set()  # held by the prefill (model view)
@@ -129,7 +129,7 @@ class HoldProtocol(RuleBasedStateMachine):
         self._collect()
 
     def deadline_ttl(self, request: str) -> float:
-        return self.w.tracker._holds[request].ttl_s if request in self.w.tracker._holds else HOLD_S
+        return self.w.holder.tracker._holds[request].ttl_s if request in self.w.holder.tracker._holds else HOLD_S
 
     # ---- reads and invariants --------------------------------------------------------------------
     @rule(reader=st.sampled_from(READERS), request=st.sampled_from(REQUESTS))
@@ -153,7 +153,7 @@ class HoldProtocol(RuleBasedStateMachine):
     @invariant()
     def freed_as_done_only_after_every_reader(self):
         for request in self.freed:
-            if self.w._recently_freed.get(request) == "done":
+            if self.w.holder._recently_freed.get(request) == "done":
                 assert len(self.done_readers.get(request, ())) >= EXPECTED[request], (
                     f"{request} freed as done after {sorted(self.done_readers.get(request, ()))} of "
                     f"{EXPECTED[request]} readers")

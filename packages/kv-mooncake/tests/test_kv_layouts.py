@@ -124,7 +124,7 @@ def test_pulled_bytes_equal_the_prefill_kv(layout, logical, kernel, decode_tp):
         d_heads = 1 if use_mla else heads // decode_tp
         d_vals, d_views = _caches(layout, d_heads, num_logical * ratio, kernel, seed=2 + d_rank)
         decode = _worker("D", d_heads, heads, logical, use_mla, tp=decode_tp)
-        decode.decode_rank, decode.decode_layout = DecodeRank(d_rank), DecodeLayout(decode_tp)
+        decode.puller.decode_rank, decode.puller.decode_layout = DecodeRank(d_rank), DecodeLayout(decode_tp)
         decode.register_kv_caches(d_vals)
         hs = prefill.handle(P.Handshake(engine_id="P", compatibility=decode.compatibility, reader_id="d"))
         assert isinstance(hs, P.HandshakeReply), hs
@@ -134,7 +134,7 @@ def test_pulled_bytes_equal_the_prefill_kv(layout, logical, kernel, decode_tp):
         req = PullRequest(request_id="r", source=source, local_block_ids=[local_ids], num_blocks=3, skip_blocks=0)
         layout_p = PrefillLayout(tp_size=1, total_kv_heads=heads, use_mla=use_mla)
         for pull in plan_pulls(layout_p, DecodeLayout(decode_tp), DecodeRank(d_rank), 3, 0, request_seed("r")):
-            local, remote, lengths = decode._addresses(req, pull, hs)
+            local, remote, lengths = decode.puller._addresses(req, pull, hs)
             for dst, src, n in zip(local, remote, lengths):
                 ctypes.memmove(dst, src, n)
         first = d_rank * d_heads if not use_mla else 0
@@ -183,4 +183,4 @@ def test_prefill_parallel_sizes_must_match_kv_transfer_params():
     req = PullRequest(request_id="r", source=source, local_block_ids=[[0]], num_blocks=1, skip_blocks=0)
     pull = plan_pulls(PrefillLayout(1, HEADS), DecodeLayout(1), DecodeRank(0), 1)[0]
     with pytest.raises(PullFailed, match=r"TP/PCP/DCP \(1, 1, 1\), it runs \(2, 1, 1\)"):
-        decode._addresses(req, pull, hs)
+        decode.puller._addresses(req, pull, hs)

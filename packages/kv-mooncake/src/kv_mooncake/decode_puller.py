@@ -1,0 +1,534 @@
+"""Decode side of the pull protocol: read each request's KV blocks from the prefill ranks.
+
+A decode rank plans each request's pulls (``pull_plan``, pure arithmetic on the engine's thread)
+and reads from every prefill rank in parallel, each rank on its own queue behind a circuit breaker
+(``peer_health``), with a deadline. Blocks are read a batch at a time under a lease the pull renews;
+the blocks not read become load errors so vLLM's ``kv_load_failure_policy`` decides, and the
+request is reported finished either way, before the DONE / FreeNow owed to the prefill ranks goes
+out. Accepted requests keep their prefill hold alive (``HoldKeepAlive``) until their pull takes a
+lease. With ``verify_kv`` each read batch is checked against the prefill's per-head digests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from kv_common.failure_ledger import FailureLedger
+from kv_common.logging_utils import get_logger
+from kv_common.stats import TransferStatsBase
+
+from kv_mooncake import protocol as P
+from kv_mooncake import side_channel
+from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.kv_digest import head_digests
+from kv_mooncake.kv_regions import KVPart, LayoutError, head_span_runs, pair_runs
+from kv_mooncake.local_cache import LocalCache, head_ranges
+from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
+from kv_mooncake.peer_health import PeerBreaker, PeerQueues
+from kv_mooncake.pull_plan import (
+    DecodeLayout,
+    DecodeRank,
+    PrefillLayout,
+    PrefillRank,
+    RankPull,
+    plan_pulls,
+    readers_per_prefill_rank,
+    request_seed,
+)
+
+logger = get_logger(__name__)
+
+
+class PullFailed(RuntimeError):
+    pass
+
+
+class PeerDown(PullFailed):
+    """The prefill rank is presumed down: failed without waiting for it."""
+
+
+PULL_BATCH_BLOCKS = 16  # blocks per TE read batch: the granularity of a partial pull's report
+
+
+@dataclass(eq=False)
+class _PullJob:
+    """One request's pull on this decode rank, over all the prefill ranks it reads from."""
+
+    req: PullRequest
+    prefill: PrefillLayout
+    start: float
+    deadline: float = 0.0
+    counts: dict[PrefillRank, int] = field(default_factory=dict)
+    pulls: list[RankPull] = field(default_factory=list)
+    remaining: int = 0
+    nbytes: int = 0
+    errors: list[Exception] = field(default_factory=list)
+    failed_ranks: set[PrefillRank] = field(default_factory=set)
+    unread: set[int] = field(default_factory=set)  # local block positions not read
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+# ---- byte ranges of a pull (pure: the handshake and this rank's cache in, addresses out) ----------
+def remote_parts(hs: P.HandshakeReply) -> list[list[KVPart]]:
+    """The prefill rank's KV tensors per layer, as its handshake describes them."""
+    if not hs.parts:  # raw regions (tests, benchmarks): heads contiguous inside a block
+        raw = LocalCache(hs.layer_names, hs.base_addresses, hs.block_bytes, hs.num_blocks, hs.heads_on_rank)
+        return [raw.layer_parts(i) for i in range(len(hs.layer_names))]
+    try:
+        return [[KVPart(base=p.base, shape=tuple(p.shape), strides=tuple(p.strides),
+                        element_size=p.element_size, roles=tuple(p.roles)) for p in layer]
+                for layer in hs.parts]
+    except LayoutError as exc:
+        raise PullFailed(f"malformed KV layout from the prefill: {exc}") from exc
+
+
+def check_peer(cache: LocalCache, source: RemoteSource, hs: P.HandshakeReply) -> None:
+    """The plan was made from kv_transfer_params: the prefill must really be laid out that way."""
+    said = (source.tp_size, source.pcp_size, source.dcp_size)
+    has = (hs.tp_size, hs.pcp_size, hs.dcp_size)
+    if said != has:
+        raise PullFailed(f"kv_transfer_params say the prefill runs TP/PCP/DCP {said}, it runs {has}")
+    if hs.kernel_blocks_per_block != cache.kernel_blocks_per_block or len(hs.parts or hs.layer_names) \
+            != len(hs.layer_names):
+        raise PullFailed(f"kernel blocks per block: decode {cache.kernel_blocks_per_block}, "
+                         f"prefill {hs.kernel_blocks_per_block}")
+
+
+PairedRuns = Callable[[KVPart, KVPart, Any], list[tuple[int, int, int]]]
+
+
+def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, pull: Any,
+                    paired_runs: PairedRuns) -> tuple[list[int], list[int], list[int]]:
+    """(local addresses, remote addresses, lengths) of ``pull``: every layer, every KV tensor of it,
+    every logical block (each of its kernel blocks), every head span; ranges contiguous on both
+    sides are merged. ``paired_runs(local part, remote part, span)``: the byte runs of a head span
+    inside one block, paired between the two layouts."""
+    check_peer(cache, req.source, hs)
+    rparts_by_layer = remote_parts(hs)
+    remote_index = {name: i for i, name in enumerate(hs.layer_names)}
+    local_ids = req.local_block_ids[0]
+    remote_ids = req.source.block_ids
+    ratio = cache.kernel_blocks_per_block
+    local: list[int] = []
+    remote: list[int] = []
+    lengths: list[int] = []
+    for li, name in enumerate(cache.layer_names):
+        ri = remote_index.get(name)
+        if ri is None:
+            raise PullFailed(f"layer {name} missing on the prefill")
+        lparts, rparts = cache.layer_parts(li), rparts_by_layer[ri]
+        if len(lparts) != len(rparts):
+            raise PullFailed(f"layer {name}: {len(lparts)} KV tensors here vs {len(rparts)} on the prefill")
+        for src_pos, dst_pos in pull.blocks:
+            if src_pos >= len(remote_ids) or dst_pos >= len(local_ids):
+                raise PullFailed(f"block position {src_pos}/{dst_pos} outside the request's blocks")
+            r_block, l_block = remote_ids[src_pos], local_ids[dst_pos]
+            for lp, rp in zip(lparts, rparts):
+                if not (r_block >= 0 and (r_block + 1) * ratio <= rp.num_blocks
+                        and l_block >= 0 and (l_block + 1) * ratio <= lp.num_blocks):
+                    raise PullFailed(f"block id {r_block}/{l_block} outside the KV cache")
+                for span in pull.spans:
+                    runs = paired_runs(lp, rp, span)
+                    for k in range(ratio):  # kernel blocks of the logical block, in order
+                        l_base = lp.base + (l_block * ratio + k) * lp.block_stride_bytes
+                        r_base = rp.base + (r_block * ratio + k) * rp.block_stride_bytes
+                        for lo, ro, n in runs:
+                            loc, r = l_base + lo, r_base + ro
+                            if lengths and remote[-1] + lengths[-1] == r and local[-1] + lengths[-1] == loc:
+                                lengths[-1] += n  # contiguous on both sides: one bigger transfer
+                            else:
+                                remote.append(r)
+                                local.append(loc)
+                                lengths.append(n)
+    return local, remote, lengths
+
+
+class DecodePuller:
+    """One decode rank's pulls, and the messages it owes the prefill ranks."""
+
+    def __init__(
+        self,
+        config: MooncakeConfig,
+        *,
+        reader_id: str,
+        decode_rank: DecodeRank,
+        decode_layout: DecodeLayout,
+        total_kv_heads: int,
+        use_mla: bool,
+        stats: TransferStatsBase,
+        ledger: FailureLedger,
+    ):
+        self.config = config
+        self.reader_id = reader_id
+        self.decode_rank, self.decode_layout = decode_rank, decode_layout
+        self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
+        self.stats, self.ledger = stats, ledger
+        self._lock = threading.Lock()
+        self._finished: set[str] = set()  # pulls finished since the last ``take_finished`` (finished_recving)
+        self._pending_pulls: set[str] = set()
+        self._handshakes: dict[tuple[str, str], P.HandshakeReply] = {}
+        self._run_cache: dict[tuple, list[tuple[int, int, int]]] = {}  # paired byte runs per layout pair
+        # Set when the KV cache is registered.
+        self.cache: LocalCache | None = None
+        self.compatibility: P.Compatibility | None = None
+        self.te: Any = None
+        # Without ``start_threads`` (a kv_producer-only rank) pulls and frees still run, inline.
+        self._queues: PeerQueues | None = None  # one pull queue per prefill rank
+        self._notifier: ThreadPoolExecutor | None = None  # DONE / FreeNow delivery, off the pull threads
+        # Hold heartbeats on their own thread: one to a frozen prefill must not delay a DONE.
+        self._heartbeats: ThreadPoolExecutor | None = None
+        self._heartbeats_queued: set[str] = set()
+        self._breaker = PeerBreaker()  # prefill ranks presumed down fail fast
+        # Kept-open connections to the prefill ranks: a new one per message cost ~5 ms per pull.
+        self._client = side_channel.SideChannelClient(P.REPLY_TYPES, config.max_message_bytes)
+
+    def attach(self, cache: LocalCache, compatibility: P.Compatibility, te: Any) -> None:
+        self.cache, self.compatibility, self.te = cache, compatibility, te
+
+    def start_threads(self) -> None:
+        self._queues = PeerQueues(self.config.num_pull_threads, name="mooncake-pull")
+        self._notifier = ThreadPoolExecutor(2, thread_name_prefix="mooncake-done")
+        self._heartbeats = ThreadPoolExecutor(1, thread_name_prefix="mooncake-heartbeat")
+
+    # ---- per step ----------------------------------------------------------------------------
+    def start_step(self, step: MooncakeStep) -> None:
+        for source in step.keepalives:
+            if self._heartbeats is not None and self.decode_rank == DecodeRank(0):
+                with self._lock:  # one queued heartbeat per request: a silent peer cannot pile them up
+                    queued = source.request_id in self._heartbeats_queued
+                    self._heartbeats_queued.add(source.request_id)
+                if not queued:
+                    self._heartbeats.submit(self._keep_alive, source)
+        for source in step.frees:
+            if self._notifier is not None:
+                self._notifier.submit(self._tell_free, source)
+            else:  # kv_producer only: still answer the protocol, inline
+                self._tell_free(source)
+        for pull in step.pulls:
+            with self._lock:
+                self._pending_pulls.add(pull.request_id)
+            self._pull(pull)
+
+    def take_finished(self) -> set[str]:
+        """Requests whose pull finished (read, or its unread blocks reported) since the last call."""
+        with self._lock:
+            finished, self._finished = self._finished, set()
+        return finished
+
+    def pending_pulls(self) -> int:
+        with self._lock:
+            return len(self._pending_pulls)
+
+    # ---- pulls -------------------------------------------------------------------------------
+    def _request(self, address: str, message: msgspec.Struct, timeout_s: float) -> msgspec.Struct:
+        return self._client.request(address, message, max(0.05, timeout_s))
+
+    def _peer_address(self, source: RemoteSource, rank: PrefillRank, layout: PrefillLayout) -> str:
+        return f"{source.host}:{source.port + rank.index(layout)}"
+
+    def _handshake(self, address: str, engine_id: str, deadline: float) -> P.HandshakeReply:
+        key = (address, engine_id)
+        cached = self._handshakes.get(key)
+        if cached is not None:
+            return cached
+        assert self.compatibility is not None
+        msg = P.Handshake(engine_id=engine_id, compatibility=self.compatibility, reader_id=self.reader_id)
+        reply = self._until(deadline, address,
+                            lambda left: self._request(address, msg, min(left, self.config.handshake_timeout_s)))
+        if not isinstance(reply, P.HandshakeReply):
+            raise PullFailed(f"handshake with {address} failed: {getattr(reply, 'reason', reply)}")
+        if reply.heads_on_rank < 1 or len(reply.layer_names) != len(reply.base_addresses) or \
+                len(reply.block_bytes) != len(reply.layer_names):
+            raise PullFailed(f"malformed handshake reply from {address}")
+        # Both sides compare: a prefill that skipped the check must not be read either.
+        diff = self.compatibility.differences(reply.compatibility)
+        if diff:
+            raise PullFailed(f"handshake with {address}: incompatible KV caches: " + "; ".join(diff))
+        self._handshakes[key] = reply
+        return reply
+
+    def _until(self, deadline: float, address: str, call: Callable[[float], msgspec.Struct]) -> msgspec.Struct:
+        """Repeat ``call`` while the peer answers Refused(retry=True) or not at all, until the deadline.
+        A peer silent until the deadline is presumed down (``PeerBreaker``); a pull waiting on a peer
+        that another pull found down gives up at once."""
+        delay = 0.005
+        while True:
+            if self._breaker.is_open(address):
+                raise PeerDown(f"{address} presumed down (silent for a whole pull); it is probed again later")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PullFailed("deadline passed")
+            try:
+                reply = call(left)
+            except side_channel.SideChannelTimeout:
+                # A busy prefill (its side-channel thread starved on a shared core) gets until the
+                # pull's deadline, not just one request's timeout; the request is idempotent.
+                if deadline - time.monotonic() <= 0:
+                    self._breaker.silent(address)
+                    raise
+                continue
+            self._breaker.answered(address)
+            if not (isinstance(reply, P.Refused) and reply.retry):
+                return reply
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.1)
+
+    def _layouts(self, source: RemoteSource) -> PrefillLayout:
+        return PrefillLayout(tp_size=source.tp_size, total_kv_heads=self.total_kv_heads,
+                             pcp_size=source.pcp_size, dcp_size=source.dcp_size, use_mla=self.use_mla)
+
+    def _pull(self, req: PullRequest) -> None:
+        """Plan the request's pulls (on the engine's thread: pure arithmetic), then read from every
+        prefill rank in parallel, each on that rank's own queue; the last rank to finish reports."""
+        job = _PullJob(req=req, prefill=self._layouts(req.source), start=time.monotonic())
+        job.deadline = job.start + self.config.pull_timeout_s
+        seed = request_seed(req.source.request_id)
+        try:
+            job.counts = readers_per_prefill_rank(job.prefill, self.decode_layout, req.num_blocks, req.skip_blocks, seed)
+            job.pulls = plan_pulls(job.prefill, self.decode_layout, self.decode_rank, req.num_blocks,
+                                   req.skip_blocks, seed)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
+            job.errors.append(exc)
+            job.unread.update(range(max(0, req.skip_blocks), req.num_blocks))
+            self._finish(job)
+            return
+        job.remaining = len(job.pulls)
+        if not job.pulls:
+            self._finish(job)
+            return
+        for pull in job.pulls:
+            address = self._peer_address(req.source, pull.source, job.prefill)
+            if self._queues is None:  # kv_producer only: still answer the protocol, inline
+                self._pull_rank(job, pull, address)
+                continue
+            try:
+                self._queues.submit(address, self._pull_rank, job, pull, address)
+            except RuntimeError as exc:  # shutting down
+                self._rank_done(job, pull, 0, set(), exc)
+
+    def _pull_rank(self, job: _PullJob, pull: RankPull, address: str) -> None:
+        read: set[int] = set()  # local block positions fully read from this rank
+        nbytes, error = 0, None
+        try:
+            if not self._breaker.allow(address):
+                raise PeerDown(f"{address} presumed down (silent for a whole pull); it is probed again later")
+            nbytes = self._pull_from_rank(job, pull, address, read)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
+            error = exc
+        self._rank_done(job, pull, nbytes, read, error)
+
+    def _rank_done(self, job: _PullJob, pull: RankPull, nbytes: int, read: set[int], error: Exception | None) -> None:
+        with job.lock:
+            job.nbytes += nbytes
+            if error is not None:
+                job.errors.append(error)
+                job.failed_ranks.add(pull.source)
+                job.unread.update(dst for _, dst in pull.blocks if dst not in read)
+            job.remaining -= 1
+            last = job.remaining == 0
+        if last:
+            self._finish(job)
+
+    def _finish(self, job: _PullJob) -> None:
+        """Report the request finished (its unread blocks as load errors) to vLLM at once, then send
+        the DONE / FreeNow messages owed to the prefill ranks: the blocks are already read, so the
+        decode request need not wait for the prefill's ack."""
+        req, source = job.req, job.req.source
+        if not job.errors:
+            self.stats.record_transfer(job.nbytes, time.monotonic() - job.start)
+        else:
+            error = job.errors[0]
+            logger.warning("MooncakeConnectorV1: pull of request %s (remote %s) failed after %.2fs: %s "
+                           "(%d of %d blocks not read)", req.request_id, source.request_id,
+                           time.monotonic() - job.start, error, len(job.unread), req.num_blocks - req.skip_blocks)
+            self.stats.record_failure("timeout" if "deadline" in str(error) else "pull")
+            # Only what was not read: vLLM recomputes from the first failed block on.
+            unread = sorted(job.unread)
+            self.ledger.record_failed_load(req.request_id, [[g[p] for p in unread if p < len(g)]
+                                                            for g in req.local_block_ids])
+            self._handshakes = {k: v for k, v in self._handshakes.items() if k[1] != source.engine_id}
+        # Always DONE, also after a failure: the prefill must not wait for us until expiry.
+        owed: list[tuple[str, msgspec.Struct]] = []
+        if not job.counts:
+            # No plan: nobody will read any rank. Every decode rank that gets here says so (FreeNow is
+            # idempotent), so the prefill frees now even if decode rank 0 is gone.
+            for rank in job.prefill.ranks():
+                owed.append((self._peer_address(source, rank, job.prefill),
+                             P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
+        for rank, n in job.counts.items():
+            if n == 0 and self.decode_rank == DecodeRank(0):  # one decode rank tells the idle ranks
+                owed.append((self._peer_address(source, rank, job.prefill),
+                             P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
+        for pull in job.pulls:
+            owed.append((self._peer_address(source, pull.source, job.prefill),
+                         P.PullDone(request_id=source.request_id, reader_id=self.reader_id,
+                                    ok=pull.source not in job.failed_ranks, expected_readers=job.counts[pull.source])))
+        with self._lock:
+            self._pending_pulls.discard(req.request_id)
+            self._finished.add(req.request_id)
+        if not owed:
+            return
+        if self._notifier is None:
+            self._send_done(owed)
+        else:
+            try:
+                self._notifier.submit(self._send_done, owed)
+            except RuntimeError:  # shutting down
+                self._send_done(owed)
+
+    def _send_done(self, owed: list[tuple[str, msgspec.Struct]]) -> None:
+        for address, message in owed:
+            self._notify(address, message)
+
+    def _notify(self, address: str, message: msgspec.Struct) -> None:
+        """Deliver a DONE / FreeNow, retrying for up to ``lease_s``: a busy prefill (its side channel
+        thread starved on a loaded host) must not keep the blocks until expiry because one answer
+        came late. DONE and FreeNow are idempotent on the prefill, so a repeat is harmless. A peer
+        presumed down (``PeerBreaker``) gets one short try per message."""
+        now = time.monotonic()
+        presumed_dead = self._breaker.state(address) != "closed"
+        give_up = now + (0.0 if presumed_dead else self.config.lease_s)
+        timeout = 0.2 if presumed_dead else min(1.0, self.config.handshake_timeout_s)
+        while True:
+            try:
+                self._request(address, message, timeout)
+                self._breaker.answered(address)
+                return
+            except side_channel.SideChannelError as exc:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    if isinstance(exc, side_channel.SideChannelTimeout) and not presumed_dead:
+                        self._breaker.silent(address)
+                    self._client.forget(address)
+                    logger.warning("MooncakeConnectorV1: %s to %s not delivered: %s",
+                                   type(message).__name__, address, exc)
+                    return
+                timeout = min(2 * timeout, self.config.handshake_timeout_s, max(0.05, left))
+
+    def _pull_from_rank(self, job: _PullJob, pull: RankPull, address: str, read: set[int]) -> int:
+        req, deadline = job.req, job.deadline
+        source = req.source
+        hs = self._handshake(address, source.engine_id, deadline)
+        block_ids = sorted({source.block_ids[src_pos] for src_pos, _ in pull.blocks})
+        started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id,
+                                expected_readers=job.counts[pull.source], block_ids=block_ids)
+        reply = self._until(deadline, address,
+                            lambda left: self._request(address, started, min(left, self.config.handshake_timeout_s)))
+        if not isinstance(reply, P.Ack):
+            raise PullFailed(f"{address} refused the pull: {getattr(reply, 'reason', reply)}")
+        digests = self._expected_digests(reply, block_ids, hs, address) if self.config.verify_kv else None
+        renew = P.LeaseRenew(request_id=source.request_id, reader_id=self.reader_id)
+        last_renew = [time.monotonic()]
+        delay = self.config.debug_pull_chunk_delay_s
+
+        def on_chunk() -> None:  # keep the lease alive during long pulls
+            if delay:
+                time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            if time.monotonic() - last_renew[0] > self.config.lease_s / 3:
+                last_renew[0] = time.monotonic()
+                # A starved prefill answers late: retry until the pull's deadline, never fail early.
+                reply = self._until(deadline, address, lambda left: self._request(
+                    address, renew, min(left, self.config.handshake_timeout_s)))
+                if not isinstance(reply, P.Ack):
+                    raise PullFailed(f"{address} refused the lease renewal: {getattr(reply, 'reason', reply)}")
+
+        if delay:  # test-only: a window in which the lease is taken but no byte has moved
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+
+        # Blocks in request order, a batch at a time: a read that fails midway leaves a prefix of
+        # the request's blocks complete, and only the rest is reported (and recomputed).
+        total = 0
+        for start in range(0, len(pull.blocks), PULL_BATCH_BLOCKS):
+            batch = dataclasses.replace(pull, blocks=pull.blocks[start:start + PULL_BATCH_BLOCKS])
+            local, remote, lengths = self._addresses(req, batch, hs)
+            total += self.te.read_blocks(hs.te_address, local, remote, lengths, deadline, on_chunk,
+                                         on_retry=lambda _why: self.stats.incr("transfer_retries"))
+            if digests is not None:
+                self._verify(req, batch, hs, digests)
+            read.update(dst for _, dst in batch.blocks)
+        return total
+
+    def _paired_runs(self, lp: KVPart, rp: KVPart, span: Any) -> list[tuple[int, int, int]]:
+        key = (lp.shape, lp.strides, lp.roles, lp.element_size, rp.shape, rp.strides, rp.roles, rp.element_size,
+               span.src_head, span.dst_head, span.num_heads)
+        runs = self._run_cache.get(key)
+        if runs is None:
+            try:
+                runs = pair_runs(head_span_runs(lp, span.dst_head, span.num_heads),
+                                 head_span_runs(rp, span.src_head, span.num_heads))
+            except LayoutError as exc:
+                raise PullFailed(str(exc)) from exc
+            if len(self._run_cache) > 4096:
+                self._run_cache.clear()
+            self._run_cache[key] = runs
+        return runs
+
+    def _addresses(self, req: PullRequest, pull: Any, hs: P.HandshakeReply) -> tuple[list[int], list[int], list[int]]:
+        assert self.cache is not None
+        return transfer_ranges(self.cache, hs, req, pull, self._paired_runs)
+
+    def _expected_digests(self, reply: P.Ack, block_ids: list[int], hs: P.HandshakeReply,
+                          address: str) -> dict[int, list[int]]:
+        heads = hs.heads_on_rank
+        if len(reply.digests) != len(block_ids) * heads:  # fail closed: nothing to verify against
+            raise PullFailed(f"verify_kv: {address} sent {len(reply.digests)} digests for {len(block_ids)} blocks "
+                             f"of {heads} heads (is verify_kv set on the prefill too?)")
+        return {b: reply.digests[i * heads:(i + 1) * heads] for i, b in enumerate(block_ids)}
+
+    def _verify(self, req: PullRequest, batch: RankPull, hs: P.HandshakeReply, digests: dict[int, list[int]]) -> None:
+        """The blocks of ``batch`` as read here, head by head, against the prefill's digests."""
+        assert self.cache is not None
+        ranges = functools.partial(head_ranges, self.cache)
+        index = {name: i for i, name in enumerate(self.cache.layer_names)}
+        layers = [index[name] for name in hs.layer_names]  # the prefill's layer order
+        for src_pos, dst_pos in batch.blocks:
+            remote_block, local_block = req.source.block_ids[src_pos], req.local_block_ids[0][dst_pos]
+            for span in batch.spans:
+                got = head_digests(ranges, layers, local_block,
+                                   range(span.dst_head, span.dst_head + span.num_heads))
+                if got != digests[remote_block][span.src_head:span.src_head + span.num_heads]:
+                    self.stats.incr("digest_mismatches")
+                    raise PullFailed(f"verify_kv: KV of remote block {remote_block} (heads {span.src_head}.."
+                                     f"{span.src_head + span.num_heads - 1}) differs from the prefill's digest")
+
+    def _keep_alive(self, source: RemoteSource) -> None:
+        """One short try per prefill rank: the next heartbeat comes a third of a lease later."""
+        with self._lock:
+            self._heartbeats_queued.discard(source.request_id)
+        prefill = self._layouts(source)
+        message = P.HoldKeepAlive(request_id=source.request_id, reader_id=self.reader_id)
+        for rank in prefill.ranks():
+            address = self._peer_address(source, rank, prefill)
+            if self._breaker.state(address) != "closed":
+                continue  # presumed down: its pulls fail fast anyway
+            try:
+                self._request(address, message, min(1.0, self.config.lease_s / 3, self.config.handshake_timeout_s))
+                self._breaker.answered(address)
+            except side_channel.SideChannelError as exc:
+                logger.debug("MooncakeConnectorV1: keep-alive to %s not delivered: %s", address, exc)
+
+    def _tell_free(self, source: RemoteSource) -> None:
+        """Nothing will be pulled for this request (aborted, or a full local hit): free it there."""
+        prefill = self._layouts(source)
+        if self.decode_rank != DecodeRank(0):
+            return
+        for rank in prefill.ranks():
+            self._notify(self._peer_address(source, rank, prefill),
+                         P.FreeNow(request_id=source.request_id, reader_id=self.reader_id))
+
+    def close(self) -> None:
+        if self._queues is not None:
+            self._queues.close(cancel=True)
+        if self._heartbeats is not None:
+            self._heartbeats.shutdown(wait=True, cancel_futures=True)
+        if self._notifier is not None:
+            self._notifier.shutdown(wait=True)  # owed DONEs go out (each bounded by lease_s)
+        self._client.close()

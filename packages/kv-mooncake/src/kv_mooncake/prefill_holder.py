@@ -1,0 +1,227 @@
+"""Prefill side of the pull protocol: hold finished requests' blocks until their readers are done.
+
+A prefill rank keeps each finished request's blocks in a ``DelayedFreeTracker`` and answers the
+decode's side-channel messages: the handshake (this rank's KV layout and TE address), pull leases
+(``PullStarted`` / ``LeaseRenew``), ``PullDone``, ``FreeNow`` and ``HoldKeepAlive``. Blocks are
+freed once: after the last expected ``PullDone``, when the hold expires without a current lease,
+or when the decode says nobody will read them. Messages may overtake the hold they are about (the
+scheduler hands the hold over one step after the decode may have heard of it): such a DONE or
+FreeNow is remembered and applied when the hold arrives.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+from kv_common.logging_utils import get_logger
+from kv_common.stats import TransferStatsBase
+
+from kv_mooncake import protocol as P
+from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.delayed_free import DelayedFreeTracker
+from kv_mooncake.kv_digest import head_digests
+from kv_mooncake.local_cache import LocalCache, head_ranges
+from kv_mooncake.pull_plan import PrefillLayout
+
+logger = get_logger(__name__)
+
+_RECENT = 4096  # remembered freed / early-signalled requests (bounded)
+
+
+class PrefillHolder:
+    """One prefill rank's held requests and its answers to the readers."""
+
+    def __init__(self, config: MooncakeConfig, *, engine_id: str, prefill_layout: PrefillLayout,
+                 stats: TransferStatsBase):
+        self.config = config
+        self.engine_id = engine_id
+        self.prefill_layout = prefill_layout
+        self.stats = stats
+        self._lock = threading.Lock()
+        self._freed: set[str] = set()  # freed since the last ``take_freed`` (vLLM's finished_sending)
+        self._held_blocks: dict[str, int] = {}
+        self._held_block_ids: dict[str, frozenset[int]] = {}  # what a reader may read, per request
+        self._active_reads: set[tuple[str, str]] = set()  # (request, reader) between PullStarted and PullDone
+        self._expected_known: set[str] = set()
+        self._recently_freed: OrderedDict[str, str] = OrderedDict()
+        # DONEs that overtook their hold: readers seen and the reader count they announced.
+        self._early_done: dict[str, tuple[set[str], int]] = {}
+        self._early_free: OrderedDict[str, None] = OrderedDict()
+        self._digests: dict[str, dict[int, list[int]]] = {}  # verify_kv: request -> block -> per head
+        self.tracker = DelayedFreeTracker(self._on_free)
+        # Set when the KV cache is registered: until then a handshake is refused (retry).
+        self.cache: LocalCache | None = None
+        self.compatibility: P.Compatibility | None = None
+        self.te: Any = None
+
+    def attach(self, cache: LocalCache, compatibility: P.Compatibility, te: Any) -> None:
+        self.cache, self.compatibility, self.te = cache, compatibility, te
+
+    # ---- holds -------------------------------------------------------------------------------
+    def hold(self, request_id: str, num_blocks: int, block_ids: list[int] | None = None,
+             ttl_s: float | None = None) -> None:
+        digests = None
+        if self.config.verify_kv and self.cache is not None:  # the request finished: its KV is final
+            cache = self.cache
+            digests = {b: head_digests(functools.partial(head_ranges, cache), range(len(cache.layer_names)), b,
+                                       range(cache.heads_on_rank))
+                       for b in block_ids or ()}
+        with self._lock:
+            if digests is not None:
+                self._digests[request_id] = digests
+            self._held_blocks[request_id] = num_blocks
+            self._held_block_ids[request_id] = frozenset(block_ids or ())
+            early_free = self._early_free.pop(request_id, 0) is None
+            early_done, expected = self._early_done.pop(request_id, (set(), 1))
+            if early_done:
+                self._expected_known.add(request_id)
+        self.tracker.hold(request_id, max(1, expected), ttl_s or self.config.hold_timeout_s)
+        for reader in early_done:
+            self.tracker.done(request_id, reader)
+        if early_free:
+            self.tracker.abort(request_id)
+
+    def take_freed(self) -> set[str]:
+        """Requests freed since the last call (expired holds included)."""
+        self.tracker.expire()
+        with self._lock:
+            freed, self._freed = self._freed, set()
+        return freed
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "held_blocks": sum(self._held_blocks.values()),
+                "held_requests": len(self._held_blocks),
+                "active_reads": len(self._active_reads),
+            }
+
+    def _on_free(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._held_blocks.pop(request_id, None)
+            self._held_block_ids.pop(request_id, None)
+            self._digests.pop(request_id, None)
+            self._active_reads = {r for r in self._active_reads if r[0] != request_id}
+            self._expected_known.discard(request_id)
+            self._freed.add(request_id)
+            self._recently_freed[request_id] = reason
+            while len(self._recently_freed) > _RECENT:
+                self._recently_freed.popitem(last=False)
+        if reason == "expired":
+            self.stats.incr("expired_holds")
+        logger.debug("MooncakeConnectorV1: request %s freed (%s)", request_id, reason)
+
+    def _learn_expected(self, request_id: str, expected: int) -> None:
+        """The first reader tells how many readers to wait for (the prefill cannot know it earlier)."""
+        with self._lock:
+            if request_id in self._expected_known or request_id not in self._held_blocks:
+                return
+            self._expected_known.add(request_id)
+        if expected > 1:
+            self.tracker.expect(request_id, expected)  # the hold's deadline stays as it was
+
+    def _not_held(self, request_id: str) -> P.Refused:
+        with self._lock:
+            reason = self._recently_freed.get(request_id)
+        if reason is not None:
+            return P.Refused(reason=f"request {request_id} already freed ({reason})")
+        return P.Refused(reason=f"request {request_id} not held (yet)", retry=True)
+
+    # ---- the readers' messages ---------------------------------------------------------------
+    def handle(self, message: msgspec.Struct) -> msgspec.Struct:
+        if isinstance(message, P.Handshake):
+            return self._handshake_reply(message)
+        if isinstance(message, P.PullStarted):
+            refused = self._check_block_ids(message)
+            if refused is not None:
+                return refused
+            self._learn_expected(message.request_id, message.expected_readers)
+            if self.tracker.begin_read(message.request_id, message.reader_id, self.config.lease_s):
+                with self._lock:
+                    if message.request_id in self._held_blocks:
+                        self._active_reads.add((message.request_id, message.reader_id))
+                    digests = self._digests.get(message.request_id)
+                if digests is not None:  # verify_kv: the reader checks what it read against these
+                    return P.Ack(digests=[d for b in message.block_ids for d in digests.get(b, ())])
+                return P.Ack()
+            return self._not_held(message.request_id)
+        if isinstance(message, P.LeaseRenew):
+            if self.tracker.renew(message.request_id, self.config.lease_s, message.reader_id):
+                return P.Ack()
+            return self._not_held(message.request_id)
+        if isinstance(message, P.PullDone):
+            self._learn_expected(message.request_id, message.expected_readers)
+            with self._lock:
+                self._active_reads.discard((message.request_id, message.reader_id))
+                held = message.request_id in self._held_blocks
+                if not held and message.request_id not in self._recently_freed:
+                    readers, expected = self._early_done.get(message.request_id, (set(), 1))
+                    readers.add(message.reader_id)
+                    self._early_done[message.request_id] = (readers, max(expected, message.expected_readers))
+                    while len(self._early_done) > _RECENT:
+                        self._early_done.pop(next(iter(self._early_done)))
+            if held:
+                self.tracker.done(message.request_id, message.reader_id)
+            return P.Ack()
+        if isinstance(message, P.FreeNow):
+            with self._lock:
+                held = message.request_id in self._held_blocks
+                if not held and message.request_id not in self._recently_freed:
+                    self._early_free[message.request_id] = None
+                    while len(self._early_free) > _RECENT:
+                        self._early_free.popitem(last=False)
+            if held:
+                self.tracker.abort(message.request_id)
+            return P.Ack()
+        if isinstance(message, P.HoldKeepAlive):
+            if self.tracker.keep_alive(message.request_id, self.config.lease_s, self.config.keepalive_max_s):
+                return P.Ack()
+            return self._not_held(message.request_id)
+        return P.Refused(reason=f"unexpected message {type(message).__name__}")
+
+    def _check_block_ids(self, message: P.PullStarted) -> P.Refused | None:
+        """A reader may only read blocks this rank holds for that very request."""
+        with self._lock:
+            allowed = self._held_block_ids.get(message.request_id)
+        if allowed is None:
+            return None  # not held (yet / any more): begin_read answers
+        wanted = set(message.block_ids)
+        bad = sorted(wanted - allowed) if wanted else None
+        if bad is None or bad:
+            what = "no block ids" if bad is None else f"block ids {bad[:8]}{'...' if len(bad) > 8 else ''}"
+            logger.warning("MooncakeConnectorV1: refusing reader %s of request %s: %s not held for it",
+                           message.reader_id, message.request_id, what)
+            self.stats.incr("rejected_reads")
+            return P.Refused(reason=f"request {message.request_id}: {what} not held for this request")
+        return None
+
+    def _handshake_reply(self, message: P.Handshake) -> msgspec.Struct:
+        if self.cache is None or self.compatibility is None:
+            return P.Refused(reason="KV cache not registered yet", retry=True)
+        if message.engine_id != self.engine_id:
+            return P.Refused(reason=f"engine id {message.engine_id!r} vs {self.engine_id!r} (prefill restarted?)")
+        diff = message.compatibility.differences(self.compatibility)
+        if diff:
+            logger.warning("MooncakeConnectorV1: refusing reader %s: incompatible KV caches: %s",
+                           message.reader_id, "; ".join(diff))
+            return P.Refused(reason="incompatible KV caches: " + "; ".join(diff))
+        cache, layout = self.cache, self.prefill_layout
+        return P.HandshakeReply(
+            engine_id=self.engine_id,
+            te_address=self.te.rpc_address,
+            layer_names=cache.layer_names,
+            base_addresses=cache.base_addresses,
+            block_bytes=cache.block_bytes,
+            num_blocks=cache.num_blocks,
+            heads_on_rank=cache.heads_on_rank,
+            compatibility=self.compatibility,
+            tp_size=layout.tp_size, pcp_size=layout.pcp_size, dcp_size=layout.dcp_size,
+            kernel_blocks_per_block=cache.kernel_blocks_per_block,
+            parts=[[P.PartInfo(base=p.base, shape=list(p.shape), strides=list(p.strides),
+                               element_size=p.element_size, roles=list(p.roles))
+                    for p in cache.layer_parts(li)] for li in range(len(cache.layer_names))],
+        )
