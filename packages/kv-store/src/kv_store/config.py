@@ -9,6 +9,8 @@
               "master_server_address": "127.0.0.1:50051", "metadata_server": "P2PHANDSHAKE",
               "protocol": "tcp", "local_hostname": "127.0.0.1", "device_name": "",
               "global_segment_size": "512mb", "local_buffer_size": "128mb",
+              "mount_segment": true,          // false: a pure client (a standalone mooncake_client
+                                              // holds the pool, which then outlives instances)
               "setup_retries": 3, "setup_timeout_s": 60},
  "lookup_mode": "sync", "lookup_timeout_s": 1.0, "load_mode": "sync", "checksum": true,
  "load_failure_policy": "recompute"}
@@ -45,6 +47,11 @@ class MooncakeOptions(ConnectorConfig, frozen=True):
     device_name: str | None = None
     global_segment_size: int | str | None = None
     local_buffer_size: int | str | None = None
+    # False: this instance mounts no memory into the pool (global_segment_size 0 whatever Mooncake's
+    # JSON says). With instances mounting none, a standalone mooncake_client holds every value, so
+    # the pool outlives instance restarts; the master places values at random over all mounted
+    # segments, so an instance mounting even a little takes about its share of values with it.
+    mount_segment: bool = True
     setup_retries: int | None = 3
     setup_timeout_s: float = 60.0
 
@@ -54,8 +61,6 @@ BUILTIN_BACKENDS = ("embedded", "mooncake")
 
 # vllm-ascend's AscendStoreConnector keys that do nothing here, and why (README: "vllm-ascend keys").
 _NO_EFFECT = {
-    "load_async": "loads are synchronous before the forward or layer by layer (load_mode); "
-                  "there is no asynchronous load",
     "lookup_rpc_port": "it names vllm-ascend's scheduler-to-worker lookup IPC socket; here lookups "
                        "run in the scheduler process against the backend (nothing listens)",
     "mooncake_rpc_port": "vllm-ascend's older name of lookup_rpc_port; here lookups run in the "
@@ -87,13 +92,13 @@ class StoreConfig(StoreConnectorConfig, frozen=True):
     backend: str = "embedded"
     embedded: EmbeddedOptions = EmbeddedOptions()
     mooncake: MooncakeOptions = MooncakeOptions()
-    # vllm-ascend's keys, honoured: use_layerwise -> load_mode, consumer_is_to_put -> save,
-    # consumer_is_to_load -> load (a contradicting explicit value is refused).
+    # vllm-ascend's keys, honoured: load_async -> load_mode "async", use_layerwise -> load_mode,
+    # consumer_is_to_put -> save, consumer_is_to_load -> load (a contradicting explicit value is refused).
+    load_async: bool | None = None
     use_layerwise: bool | None = None
     consumer_is_to_put: bool | None = None
     consumer_is_to_load: bool | None = None
     # vllm-ascend's keys accepted without effect (see _NO_EFFECT).
-    load_async: bool | None = None
     lookup_rpc_port: int | str | None = None
     mooncake_rpc_port: int | str | None = None
     prefill_pp_size: int | None = None
@@ -128,8 +133,19 @@ class StoreConfig(StoreConnectorConfig, frozen=True):
             raise ConfigKeyError("consumer_is_to_put", f"{self.consumer_is_to_put} contradicts save {self.save}")
         if self.consumer_is_to_load is not None and self.load is not None and self.consumer_is_to_load != self.load:
             raise ConfigKeyError("consumer_is_to_load", f"{self.consumer_is_to_load} contradicts load {self.load}")
+        segment = self.mooncake.global_segment_size
+        if not self.mooncake.mount_segment and segment is not None and _size_or_none(segment) != 0:
+            raise ConfigKeyError(
+                "mooncake.mount_segment",
+                f"false contradicts mooncake.global_segment_size {segment!r} (a pure client mounts nothing; "
+                "drop global_segment_size or set it to 0)",
+            )
+        if self.load_async is False and self.load_mode == "async":
+            raise ConfigKeyError("load_async", "false contradicts load_mode 'async'")
         if self.use_layerwise is not None:
             self.set_in_check("load_mode", "layerwise" if self.use_layerwise else "sync")
+        if self.load_async:
+            self.set_in_check("load_mode", "async")
         if self.consumer_is_to_put:  # false keeps the role's default (vllm-ascend's default is false)
             self.set_in_check("save", True)
         if self.consumer_is_to_load is not None:
@@ -197,6 +213,13 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def _size_or_none(value: int | str) -> int | None:
+    try:
+        return parse_size(value)
+    except ValueError:
+        return None
+
+
 _DEFAULTS: dict[str, Any] = {
     "metadata_server": "P2PHANDSHAKE",
     "protocol": "tcp",
@@ -231,6 +254,6 @@ def resolve_mooncake(options: MooncakeOptions, environ: dict[str, str] | None = 
             "mooncake backend: no master address (set mooncake.master_server_address, "
             "MOONCAKE_CONFIG_PATH or MOONCAKE_MASTER)"
         )
-    merged["global_segment_size"] = parse_size(merged["global_segment_size"])
+    merged["global_segment_size"] = parse_size(merged["global_segment_size"]) if options.mount_segment else 0
     merged["local_buffer_size"] = parse_size(merged["local_buffer_size"])
     return merged

@@ -5,6 +5,9 @@ succeeded; this wrapper turns codes into per-key results once, here:
 
 - missing key (-704, or ``b''``) and any other negative code -> -1 (a miss);
 - master gone (-900 RPC_FAIL) -> misses / failed puts, never an exception or a crash;
+- the client holding a value gone (-800 TRANSFER_FAIL while the master still lists the key) -> a
+  miss; no segment with room (-200 NO_AVAILABLE_HANDLE, e.g. every instance mounts nothing and no
+  standalone ``mooncake_client`` runs) -> a failed put;
 - every call is refused (misses) unless ``setup()`` returned 0.
 
 Buffers given to ``batch_put`` / ``batch_get_into`` must lie inside a buffer announced with
@@ -25,8 +28,17 @@ from kv_common.logging_utils import get_logger
 
 logger = get_logger(__name__)
 
+NO_AVAILABLE_HANDLE = -200
 OBJECT_NOT_FOUND = -704
+TRANSFER_FAIL = -800
 RPC_FAIL = -900
+
+_HINTS = {
+    RPC_FAIL: " (master unreachable)",
+    TRANSFER_FAIL: " (the client holding the value is gone: an exited instance or a stopped mooncake_client)",
+    NO_AVAILABLE_HANDLE: " (no mounted segment has room: with mount_segment false a standalone mooncake_client "
+                         "must hold the pool)",
+}
 
 
 def buffer_address(buffer: memoryview) -> int:
@@ -73,13 +85,21 @@ class MooncakeBackend(Backend):
         if rc != 0:
             raise BackendError(self.name, "setup", rc, f"master {options['master_server_address']}")
         self._ready = True
+        segment = int(options["global_segment_size"])
+        if segment:
+            # Said once at start-up: which deployment this is decides what survives a restart.
+            logger.info(
+                "mooncake: this instance mounts %d MiB into the pool of %s; values the master places there "
+                "leave with it (mount_segment false beside a standalone mooncake_client keeps the pool "
+                "across instance restarts)", segment >> 20, options["master_server_address"],
+            )
 
     # ---- helpers ----------------------------------------------------------------------------
     def _warn_once(self, what: str, code: int) -> None:
         tag = f"{what}:{code}"
         if tag not in self._warned:
             self._warned.add(tag)
-            hint = " (master unreachable)" if code == RPC_FAIL else ""
+            hint = _HINTS.get(code, "")
             logger.warning("mooncake %s returned %d%s; treated as a miss", what, code, hint)
 
     def _is_registered(self, address: int, size: int) -> bool:

@@ -1,4 +1,5 @@
-"""A ``mooncake_master`` on loopback for tests and benchmarks (Mooncake Store rows).
+"""A ``mooncake_master`` (and a standalone ``mooncake_client`` holding pool memory) on loopback
+for tests and benchmarks (Mooncake Store rows).
 
 Standard library only: the binary comes with the ``mooncake-transfer-engine`` wheel (on PATH or next
 to the running interpreter). It runs in its own process group and is stopped by pid on exit.
@@ -111,3 +112,92 @@ class MooncakeMaster:
             )
         )
         return str(path)
+
+
+class MooncakeClient:
+    """Mooncake's standalone ``mooncake_client`` on 127.0.0.1: it mounts ``segment`` bytes into the
+    pool of ``master_address`` and holds them until stopped, so values stored there outlive the
+    vLLM instances that wrote them (which then mount nothing: ``mooncake.mount_segment: false``).
+
+    >>> with MooncakeMaster() as master, MooncakeClient(master.address) as holder:   # doctest: +SKIP
+    ...     ...   # instances store and exit; a fresh one still finds the values
+
+    Ready once its service port listens (it mounts its segment before that). ``kill()`` stops it
+    at once (SIGKILL), as a crash would: the master lists its keys until ``-client_ttl`` (10 s)
+    passes, and reads of them fail meanwhile.
+    """
+
+    def __init__(self, master_address: str, segment: str = "256MB", start_timeout_s: float = 30.0) -> None:
+        self.master_address = master_address
+        self.segment = segment
+        self.start_timeout_s = start_timeout_s
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: tempfile._TemporaryFileWrapper | None = None  # type: ignore[type-arg]
+
+    def command(self, exe: str = "mooncake_client") -> list[str]:
+        """The command line (what a deployment runs, with its own host and sizes)."""
+        return [
+            exe,
+            f"-master_server_address={self.master_address}",
+            "-metadata_server=P2PHANDSHAKE",
+            "-protocol=tcp",
+            "-host=127.0.0.1",
+            f"-port={self.port}",
+            f"-global_segment_size={self.segment}",
+        ]
+
+    def __enter__(self) -> MooncakeClient:
+        exe = shutil.which("mooncake_client") or str(Path(sys.executable).parent / "mooncake_client")
+        self._log = tempfile.NamedTemporaryFile(prefix="mooncake-client-", suffix=".log", delete=False)
+        env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+        self.proc = subprocess.Popen(
+            self.command(exe), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                rc = self.proc.returncode
+                tail = self.log_tail()
+                self.__exit__()
+                raise RuntimeError(f"mooncake_client exited rc={rc}: {tail}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+                return self
+            time.sleep(0.1)
+        tail = self.log_tail()
+        self.__exit__()
+        raise RuntimeError(
+            f"mooncake_client did not listen on 127.0.0.1:{self.port} within {self.start_timeout_s}s: {tail}"
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 2000) -> str:
+        if self._log is None:
+            return ""
+        try:
+            return Path(self._log.name).read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: the segment is not unmounted (the master expires it later)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self._log is not None:
+            self._log.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._log.name)
+            self._log = None
