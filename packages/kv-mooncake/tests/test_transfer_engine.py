@@ -86,7 +86,30 @@ def test_errors_are_transfer_errors_and_dead_peer_does_not_hang(target):
     te.close()
 
 
-def test_read_from_a_frozen_peer_is_retried_until_it_resumes(target, monkeypatch):
+def _freeze(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped. kill() returns before that:
+    the group stop reaches each thread when it next runs, measured here up to 0.1 s later (4 of 9
+    threads still running when kill() returned), and on a loaded machine longer; meanwhile the
+    peer's TransferEngine threads serve a read that was meant to stall (the flake: a read from a
+    'frozen' peer done in 0.026 s)."""
+    os.kill(pid, signal.SIGSTOP)
+    give_up = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that just ended
+                continue
+        if states and all(st in "tT" for st in states):
+            return
+        assert time.monotonic() < give_up, f"process {pid} not stopped within {timeout_s}s: {states}"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("method", ["read_blocks", "read_batches"])
+def test_read_from_a_frozen_peer_is_retried_until_it_resumes(target, monkeypatch, method):
     """The failure seen on shared CI machines: the peer process (or its vCPU) stops for longer than
     one transfer may take. Each stalled attempt fails after the attempt timeout and is read again;
     the read completes, with the right bytes, once the peer runs again, within the deadline."""
@@ -101,11 +124,15 @@ def test_read_from_a_frozen_peer_is_retried_until_it_resumes(target, monkeypatch
     te.read_blocks(address, *args)  # connection and segment are set up before the freeze
     local[:] = 0
     retries: list[str] = []
-    os.kill(proc.pid, signal.SIGSTOP)
+    _freeze(proc.pid)
     threading.Timer(5.0, os.kill, (proc.pid, signal.SIGCONT)).start()
     t0 = time.monotonic()
     try:
-        n = te.read_blocks(address, *args, deadline=time.monotonic() + 30, on_retry=retries.append)
+        if method == "read_blocks":
+            n = te.read_blocks(address, *args, deadline=time.monotonic() + 30, on_retry=retries.append)
+        else:
+            batches = [([args[0][i]], [args[1][i]], [args[2][i]]) for i in range(8)]  # one block each
+            n = te.read_batches(address, batches, deadline=time.monotonic() + 30, on_retry=retries.append)
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     elapsed = time.monotonic() - t0
@@ -114,6 +141,131 @@ def test_read_from_a_frozen_peer_is_retried_until_it_resumes(target, monkeypatch
     assert retries and all("failed after" in r for r in retries), retries
     for i in range(8):
         assert hashlib.sha256(local[i * BLOCK:(i + 1) * BLOCK]).hexdigest() == digests[i]
+    te.close()
+
+
+class _CountingAsync:
+    """The real engine, its asynchronous calls counted: how many are in flight at most, how many
+    transfers, and whether every one submitted was waited for."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.outstanding: dict[int, int] = {}
+        self.max_calls = self.max_transfers = self.submitted = 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def batch_transfer_async_read(self, peer, local, remote, lengths):
+        bid = self._engine.batch_transfer_async_read(peer, local, remote, lengths)
+        if 0 < bid < 1 << 63:
+            self.submitted += 1
+            self.outstanding[bid] = len(lengths)
+            self.max_calls = max(self.max_calls, len(self.outstanding))
+            self.max_transfers = max(self.max_transfers, sum(self.outstanding.values()))
+        return bid
+
+    def get_batch_transfer_status(self, bids):
+        rc = self._engine.get_batch_transfer_status(bids)
+        for b in bids:
+            del self.outstanding[b]  # KeyError: waited twice, or never submitted
+        return rc
+
+
+def _batches(local_base: int, remote_base: int, order: list[int], per: int):
+    for s in range(0, len(order), per):
+        idx = range(s, min(len(order), s + per))
+        yield ([local_base + i * BLOCK for i in idx], [remote_base + order[i] * BLOCK for i in idx], [BLOCK] * len(idx))
+
+
+def test_read_batches_pipelines_calls_in_order_and_verified(target):
+    """1500 scattered blocks in batches of 64: several engine calls in flight, never more than
+    max_inflight transfers, every batch reported in order once its bytes landed."""
+    _, _, address, base, digests = target
+    local = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 256)
+    te.register([(local.ctypes.data, local.nbytes)])
+    counting = te._engine = _CountingAsync(te._engine)
+    order = list(range(NUM_BLOCKS))
+    random.Random(4).shuffle(order)
+    landed: list[int] = []
+
+    def on_batch(i: int) -> None:
+        for j in range(i * 64, min(NUM_BLOCKS, (i + 1) * 64)):  # this batch's bytes are there now
+            assert hashlib.sha256(local[j * BLOCK:(j + 1) * BLOCK]).hexdigest() == digests[order[j]]
+        landed.append(i)
+
+    n = te.read_batches(address, _batches(local.ctypes.data, base, order, 64), time.monotonic() + 60, on_batch)
+    assert n == NUM_BLOCKS * BLOCK
+    assert landed == list(range(24))  # ceil(1500 / 64), in order
+    assert counting.max_calls > 1, "one engine call at a time: nothing was pipelined"
+    assert counting.max_transfers <= 256
+    assert not counting.outstanding and counting.submitted == 24
+    # A batch bigger than max_inflight goes in several calls; on_batch runs once, after the last.
+    local[:] = 0
+    landed.clear()
+    assert te.read_batches(address, _batches(local.ctypes.data, base, order, 600), None, landed.append) == n
+    assert landed == [0, 1, 2]
+    assert counting.max_transfers <= 256 and not counting.outstanding
+    for j in range(NUM_BLOCKS):
+        assert hashlib.sha256(local[j * BLOCK:(j + 1) * BLOCK]).hexdigest() == digests[order[j]]
+    te.close()
+
+
+@pytest.mark.parametrize("with_deadline", [False, True])
+def test_read_batches_bad_batch_fails_with_the_prefix_read(target, with_deadline):
+    """Batch 3 of 6 reads memory the peer never registered: the read fails naming 3 batches done,
+    batches 0-2 landed and were reported, and no engine call is left in flight."""
+    _, _, address, base, digests = target
+    local = np.zeros(6 * 8 * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    te.register([(local.ctypes.data, local.nbytes)])
+    counting = te._engine = _CountingAsync(te._engine)
+    batches = list(_batches(local.ctypes.data, base, list(range(48)), 8))
+    batches[3][1][5] = base + NUM_BLOCKS * BLOCK * 4  # outside the peer's registered memory
+    landed: list[int] = []
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as info:
+        te.read_batches(address, batches, time.monotonic() + 20 if with_deadline else None, landed.append)
+    assert time.monotonic() - t0 < 10  # refused reads fail fast, not at the deadline
+    assert info.value.batches_done == 3 and landed == [0, 1, 2]
+    assert not counting.outstanding
+    for j in range(24):
+        assert hashlib.sha256(local[j * BLOCK:(j + 1) * BLOCK]).hexdigest() == digests[j]
+    te.close()
+
+
+def test_read_batches_callback_error_waits_for_calls_in_flight(target):
+    _, _, address, base, _ = target
+    local = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    te.register([(local.ctypes.data, local.nbytes)])
+    counting = te._engine = _CountingAsync(te._engine)
+
+    def on_batch(i: int) -> None:
+        if i == 1:
+            raise RuntimeError("digest mismatch")
+
+    with pytest.raises(RuntimeError, match="digest mismatch"):
+        te.read_batches(address, _batches(local.ctypes.data, base, list(range(NUM_BLOCKS)), 64), None, on_batch)
+    assert counting.max_calls > 2 and not counting.outstanding  # in flight when it raised, all waited for
+    assert te._budget(address).in_flight == 0
+    te.close()
+
+
+def test_read_batches_from_a_dead_peer_does_not_hang(target):
+    proc, _, address, base, _ = target
+    local = np.zeros(4 * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    te.register([(local.ctypes.data, local.nbytes)])
+    te.read_batches(address, _batches(local.ctypes.data, base, [0, 1, 2, 3], 2))
+    proc.kill()
+    proc.join(5)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as info:
+        te.read_batches(address, _batches(local.ctypes.data, base, [0, 1, 2, 3], 2), time.monotonic() + 10)
+    assert time.monotonic() - t0 < 5 and info.value.batches_done == 0
+    assert te._budget(address).in_flight == 0
     te.close()
 
 
