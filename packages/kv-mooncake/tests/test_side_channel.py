@@ -335,3 +335,168 @@ def test_client_error_reply_keeps_the_connection_usable(server):
         assert client.idle_socket_count() == 1
     finally:
         client.close()
+
+
+# ---- the kept-open client against a real peer process: restart, freeze, close -------------------
+_PEER = """
+import sys, time, msgspec
+from kv_mooncake.side_channel import SideChannelServer
+
+class Ping(msgspec.Struct, tag=True):
+    payload: str
+
+class Pong(msgspec.Struct, tag=True):
+    payload: str
+
+srv = SideChannelServer("127.0.0.1", int(sys.argv[1]), lambda m: Pong(sys.argv[2] + m.payload), (Ping,)).start()
+print(srv.port, flush=True)
+sys.stdin.read()  # until the test closes our stdin
+srv.close()
+"""
+
+
+class _Peer:
+    """A side-channel server in its own process (a prefill rank): it can be restarted on the same
+    port, or frozen with SIGSTOP."""
+
+    def __init__(self, port: int = 0, tag: str = "a:"):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _PEER, str(port), tag], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.strip().isdigit(), f"peer did not start: {line!r}"
+        self.port = int(line)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(10)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _wait_until_stopped(pid: int, timeout_s: float = 30.0) -> None:
+    """kill(SIGSTOP) returns before every thread has stopped: wait until they have."""
+    import os
+
+    give_up = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue
+        if states and all(s in "tT" for s in states):
+            return
+        assert time.monotonic() < give_up, states
+        time.sleep(0.001)
+
+
+def test_client_reconnects_to_a_restarted_peer():
+    """The prefill restarts on the same port: the kept connection is not stuck on the dead one."""
+    peer = _Peer(tag="first:")
+    client = SideChannelClient((Pong,))
+    try:
+        assert client.request(peer.address, Ping("x"), timeout_s=10) == Pong("first:x")
+        port = peer.port
+        peer.stop()
+        with pytest.raises(SideChannelTimeout):  # down: the deadline holds, nothing hangs
+            client.request(f"127.0.0.1:{port}", Ping("y"), timeout_s=0.3)
+        peer = _Peer(port, tag="second:")
+        assert client.request(peer.address, Ping("z"), timeout_s=10) == Pong("second:z")
+        assert client.idle_socket_count() == 1
+    finally:
+        client.close()
+        peer.stop()
+
+
+def test_client_restarted_peer_while_idle_needs_no_new_socket():
+    peer = _Peer(tag="first:")
+    client = SideChannelClient((Pong,))
+    before = open_socket_count()
+    try:
+        assert client.request(peer.address, Ping("x"), timeout_s=10) == Pong("first:x")
+        port = peer.port
+        peer.stop()
+        peer = _Peer(port, tag="second:")
+        # The idle socket reconnects by itself (zmq's reconnect): the request needs no retry.
+        assert client.request(peer.address, Ping("z"), timeout_s=10) == Pong("second:z")
+        assert open_socket_count() == before + 1
+    finally:
+        client.close()
+        peer.stop()
+    assert open_socket_count() == before
+
+
+def test_client_deadline_holds_on_a_frozen_peer_and_others_are_not_held_up():
+    """A SIGSTOPped prefill: its request fails at its deadline, its socket is dropped (a late reply
+    must never be read as the next answer), a healthy peer on the same client answers meanwhile,
+    and the frozen one answers again once it runs."""
+    import os
+    import signal
+
+    frozen, healthy = _Peer(tag="f:"), _Peer(tag="h:")
+    client = SideChannelClient((Pong,))
+    before = open_socket_count()
+    try:
+        assert client.request(frozen.address, Ping("0"), timeout_s=10) == Pong("f:0")
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        _wait_until_stopped(frozen.proc.pid)
+        answers: list[object] = []
+        t = threading.Thread(target=lambda: answers.append(client.request(healthy.address, Ping("1"), timeout_s=10)))
+        start = time.monotonic()
+        t.start()
+        with pytest.raises(SideChannelTimeout):
+            client.request(frozen.address, Ping("2"), timeout_s=0.5)
+        elapsed = time.monotonic() - start
+        t.join(10)
+        assert answers == [Pong("h:1")]
+        assert 0.45 <= elapsed < 5, elapsed
+        assert open_socket_count() == before + 1  # the frozen peer's socket was closed, not kept
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+        assert client.request(frozen.address, Ping("3"), timeout_s=10) == Pong("f:3")
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+        client.close()
+        frozen.stop()
+        healthy.stop()
+    assert open_socket_count() == before
+
+
+def test_client_close_leaves_no_socket_connection_or_fd():
+    from kv_common.testing.leaks import LeakBaseline
+
+    peers = [_Peer(tag=f"{i}:") for i in range(3)]
+    request(peers[0].address, Ping("warm"), (Pong,), timeout_s=10)  # zmq's context and its fds exist
+    baseline = LeakBaseline.capture()
+    before = open_socket_count()
+    client = SideChannelClient((Pong,), max_idle_per_peer=2)
+    try:
+        def work(i: int) -> None:
+            for j in range(20):
+                p = peers[(i + j) % 3]
+                assert client.request(p.address, Ping(f"{i}-{j}"), timeout_s=10).payload.endswith(f"{i}-{j}")
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert 3 <= client.idle_socket_count() <= 6
+        assert baseline.new_connections()  # the kept connections are open now
+    finally:
+        client.close()
+    assert open_socket_count() == before
+    baseline.assert_clean(timeout_s=10)  # zmq closes TCP connections on its I/O thread: give it time
+    for p in peers:
+        p.stop()
