@@ -425,6 +425,11 @@ class EngineProcess:
         """Drop the engine's local prefix cache (connector data stays); vLLM's success flag."""
         return bool(self._request({"op": "reset_prefix_cache"}, timeout_s, "reset_prefix_cache")["reset"])
 
+    def metrics(self, prefix: str = "vllm:", timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """The engine's Prometheus metrics named ``prefix...`` (connectors' own included), cumulative:
+        ``{"name", "labels", "value"}`` or, for histograms, ``{"name", "labels", "sum", "count"}``."""
+        return list(self._request({"op": "metrics", "prefix": prefix}, timeout_s, "metrics")["metrics"])
+
     def rss_bytes(self) -> int:
         """Resident memory of the child and all its descendants, in bytes; needs psutil."""
         import psutil

@@ -14,6 +14,8 @@ JSON lines on stdin:
   meaningful in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the step runs the scheduler and
   the model in this process; with EngineCore in another process only the step times are collected
 * ``{"op": "leak_report"}``: with ``instrument``: each in-process connector side's ``leak_report()``
+* ``{"op": "metrics", "prefix": "vllm:"}``: the engine's Prometheus metrics whose name starts with
+  ``prefix`` (``LLM.get_metrics()``; connectors' own ones included), cumulative since start
 * ``{"op": "ping"}``
 * ``{"op": "close"}`` (or EOF on stdin)
 
@@ -108,6 +110,23 @@ def _generate(llm: Any, req: dict[str, Any], default_max_tokens: int) -> dict[st
         res["ttft_s"].append(ttft)
         res["e2e_s"].append(e2e)
     return res
+
+
+def _metrics(llm: Any, prefix: str) -> list[dict[str, Any]]:
+    """Counters and gauges as ``value``, histograms as ``sum`` and ``count``, with their labels."""
+    out = []
+    for m in llm.get_metrics():
+        if not m.name.startswith(prefix):
+            continue
+        row: dict[str, Any] = {"name": m.name, "labels": dict(m.labels)}
+        if hasattr(m, "count"):  # a histogram
+            row.update(sum=float(m.sum), count=int(m.count))
+        elif hasattr(m, "value"):
+            row["value"] = float(m.value)
+        else:
+            continue  # vectors (spec decode): not needed here
+        out.append(row)
+    return out
 
 
 # Connector hooks timed besides the lookup (benchmarks split scheduler-side from worker-side cost).
@@ -249,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                 _send(chan, {"ok": True, "result": {"connectors": timers.leak_report()}})
             elif op == "reset_prefix_cache":
                 _send(chan, {"ok": True, "result": {"reset": bool(llm.reset_prefix_cache())}})
+            elif op == "metrics":
+                _send(chan, {"ok": True, "result": {"metrics": _metrics(llm, str(req.get("prefix", "vllm:")))}})
             elif op == "ping":
                 _send(chan, {"ok": True, "result": {"pid": os.getpid()}})
             else:
