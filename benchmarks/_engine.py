@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,17 @@ __all__ = [
     "BenchEngine",
     "MooncakeMaster",
     "connector_configs",
+    "connector_report",
+    "core_env",
     "first_error_line",
     "free_port",
     "importable",
+    "kv_bytes_per_token",
+    "pin",
+    "random_llama",
     "runnable_rows",
     "scratch_dir",
+    "settle_report",
 ]
 
 
@@ -107,6 +114,73 @@ def first_error_line(exc: BaseException, limit: int = 300) -> str:
     if line is None:
         line = (text.strip().splitlines() or [type(exc).__name__])[0]
     return line[:limit]
+
+
+def connector_report(eng: EngineProcess) -> list[dict | None] | None:
+    """Each in-process connector side's own ``leak_report()`` (scheduler, worker) now; None when the
+    harness or the connector has none (needs ``instrument=True``)."""
+    try:
+        return eng._request({"op": "leak_report"}, 60.0, "leak_report")["connectors"]
+    except Exception:  # noqa: BLE001 - an older harness, or a connector without one
+        return None
+
+
+def settle_report(eng: EngineProcess, settle_tries: int = 5) -> list[dict | None] | None:
+    """:func:`connector_report` once the engine is idle. A scheduler learns that saves finished (or
+    holds expired) only in a later step: up to ``settle_tries`` times, one request shorter than a
+    block (nothing to save) steps the engine and the report is taken again, so what remains is held
+    with nothing left in flight."""
+    report = None
+    for attempt in range(settle_tries + 1):
+        report = connector_report(eng)
+        if report is None or attempt == settle_tries or not any(v for side in report for v in (side or {}).values()):
+            break
+        time.sleep(0.5)
+        eng.generate([[5 + attempt, 6, 7, 8]], max_tokens=1, timeout_s=120)
+    eng.timings()  # the settle requests are not part of any measurement
+    return report
+
+
+def random_llama(num_layers: int, max_position_embeddings: int, seed: int) -> dict[str, Any]:
+    """``cached_tiny_model`` arguments of the engine benchmarks' random float32 Llama: hidden 512,
+    GQA 8/4 heads of 64; only its depth (how long a step or a prefill takes), its context and its
+    weights' seed differ between benchmarks."""
+    return dict(
+        num_layers=num_layers,
+        hidden_size=512,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=2048,
+        max_position_embeddings=max_position_embeddings,
+        seed=seed,
+    )
+
+
+def kv_bytes_per_token(model: dict[str, Any], dtype_bytes: int = 4) -> int:
+    """KV cache bytes one token takes in every layer (K and V; float32 unless told)."""
+    return int(model["num_layers"]) * 2 * int(model["num_kv_heads"]) * int(model["head_dim"]) * dtype_bytes
+
+
+def core_env(core: int | None) -> dict[str, str]:
+    """Engine env for one OpenMP thread, bound to ``core`` when this machine has it (spinning OpenMP
+    threads make step times swing by several x when other processes share the cores)."""
+    if core is None or core >= (os.cpu_count() or 1):
+        return {"OMP_NUM_THREADS": "1"}
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(core), "OMP_NUM_THREADS": "1"}
+
+
+def pin(eng: EngineProcess, core: int) -> None:
+    """Every thread of the engine's processes on one core (OpenMP threads are bound by vLLM through
+    VLLM_CPU_OMP_THREADS_BIND, see :func:`core_env`; this catches the rest: connector threads, the
+    front-end)."""
+    if core >= (os.cpu_count() or 1):
+        return
+    for pid in eng.pids():
+        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), {core})
 
 
 @contextlib.contextmanager

@@ -1,14 +1,66 @@
-"""Target side of the raw TransferEngine benchmark: ``python -m benchmarks._te_peer BYTES``.
+"""Peers of the transfer benchmarks, each in its own process.
 
-Registers one buffer of BYTES (each 4 KiB page starts with its index) with a Mooncake TransferEngine over
-loopback TCP, prints ``{"peer": "127.0.0.1:PORT", "addr": INT, "bytes": N}`` on stdout and serves
-reads until stdin closes.
+* :class:`PeerProcess`: the parent's handle on any such peer (``python -m MODULE ARGS``) speaking
+  JSON lines: the raw TransferEngine target below, and the prefill workers of ``bench_mooncake``
+  and ``bench_pull_concurrency``.
+* ``python -m benchmarks._te_peer BYTES``: the raw TransferEngine target. Registers one buffer of
+  BYTES (each 4 KiB page starts with its index) with a Mooncake TransferEngine over loopback TCP,
+  prints ``{"peer": "127.0.0.1:PORT", "addr": INT, "bytes": N}`` on stdout and serves reads until
+  stdin closes.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PeerProcess:
+    """A peer in its own process: ``python -m MODULE ARGS`` with one OpenMP thread and Mooncake's
+    logging quiet. Protocol (JSON lines): its first stdout line says it is ready (a line holding
+    ``"error"`` or ``"ready": false`` says why not), every :meth:`request` line gets one reply line,
+    and when its stdin closes it may print one last line (e.g. its leak report) before exiting."""
+
+    def __init__(self, module: str, *args: str, what: str = "peer") -> None:
+        env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, text=True)
+        self.ready: dict[str, Any] = self._read() or {"error": "exited before it was ready"}
+        if "error" in self.ready or self.ready.get("ready") is False:
+            self.close()
+            raise RuntimeError(f"{what} did not start: {self.ready.get('error', self.ready)}")
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line.strip() else {}
+
+    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Send one line, return the peer's reply line."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self, timeout_s: float = 20.0) -> dict[str, Any]:
+        """Close its stdin and let it exit (killed after ``timeout_s``); returns its last line."""
+        last: dict[str, Any] = {}
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                last = self._read()
+                self.proc.wait(timeout_s)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                self.proc.kill()
+                self.proc.wait(5)
+        return last
 
 
 def main() -> int:

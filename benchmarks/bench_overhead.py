@@ -27,9 +27,12 @@ from benchmarks._engine import (
     BenchEngine,
     MooncakeMaster,
     connector_configs,
+    core_env,
     first_error_line,
+    random_llama,
     runnable_rows,
     scratch_dir,
+    settle_report,
 )
 from benchmarks.report import (
     Claim,
@@ -37,24 +40,14 @@ from benchmarks.report import (
     against_target,
     bootstrap_ci,
     median,
-    plot_path,
     progress,
+    save_plot,
     slope_ci,
     table,
 )
 
 # 8 layers of the TTFT model's width: a step of tens of milliseconds on one core.
-MODEL: dict = dict(
-    num_layers=8,
-    hidden_size=512,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=2048,
-    max_position_embeddings=1024,
-    seed=4321,
-)
+MODEL = random_llama(num_layers=8, max_position_embeddings=1024, seed=4321)
 MAX_TOKENS = 16
 MAX_NUM_SEQS = 32
 PROMPT_LEN = (64, 320)
@@ -95,14 +88,17 @@ class RowResult:
 def start_row(row: str, model_dir, workdir, master) -> BenchEngine:
     """The row's engine, started and warmed up."""
     if row.startswith("no connector"):
-        cfg, env = None, {}
-    else:
-        cfg, env = connector_configs(
-            row, workdir=workdir, master=master, embedded_capacity=16 << 20, offload_bytes=256 << 20
-        )
-    # One OpenMP thread: the tiny model gains nothing from two, and spinning OpenMP threads make step
-    # times swing by several x when other processes share the cores.
-    env = {**env, "OMP_NUM_THREADS": "1"}
+        return start_engine(model_dir, None, {})
+    cfg, env = connector_configs(row, workdir=workdir, master=master, embedded_capacity=16 << 20,
+                                 offload_bytes=256 << 20)
+    return start_engine(model_dir, cfg, env)
+
+
+def start_engine(model_dir, cfg: dict | None, env: dict[str, str], kv_cache_bytes: int = 128 << 20) -> BenchEngine:
+    """An in-process engine of this section's model and batch, started and warmed up."""
+    # One OpenMP thread, unbound (every row's engine is up at once): the tiny model gains nothing
+    # from two.
+    env = {**env, **core_env(None)}
     eng = BenchEngine(
         model_dir,
         name="overhead",
@@ -110,7 +106,7 @@ def start_row(row: str, model_dir, workdir, master) -> BenchEngine:
         env=env,
         max_tokens=MAX_TOKENS,
         max_model_len=512,
-        kv_cache_bytes=128 << 20,
+        kv_cache_bytes=kv_cache_bytes,
         extra_llm_kwargs={"max_num_seqs": MAX_NUM_SEQS},
     )
     try:
@@ -164,25 +160,6 @@ def rss_slope(res: RowResult, warm: int) -> tuple[float, float, float]:
     return slope_ci([n / 1000 for n, _ in pts], [m for _, m in pts])
 
 
-def leak_report(eng: BenchEngine, settle_tries: int = 5) -> list[dict | None] | None:
-    """Each connector side's own leak report (scheduler, worker) once the engine is idle, None when
-    the harness has none. A scheduler learns that saves finished only in a later step: up to
-    ``settle_tries`` times, one request shorter than a block (nothing to save) steps the engine and
-    the report is taken again, so what remains is held with nothing left in flight."""
-    report = None
-    for attempt in range(settle_tries + 1):
-        try:
-            report = eng._request({"op": "leak_report"}, 60.0, "leak_report")["connectors"]
-        except Exception:  # noqa: BLE001 - an older harness, or a connector without one
-            return None
-        if attempt == settle_tries or not any(v for side in report for v in (side or {}).values()):
-            break
-        time.sleep(0.5)
-        eng.generate([[5 + attempt, 6, 7, 8]], max_tokens=1, timeout_s=120)
-    eng.timings()  # the settle requests are not part of any round
-    return report
-
-
 def _plot(results: dict[str, RowResult], warm: int) -> str:
     """Left: step time / no connector per row (median of per-round ratios, bootstrap 95 % interval),
     the +2 % target and the noise band (the second no-connector engine's interval). Right: RSS slope
@@ -228,10 +205,7 @@ def _plot(results: dict[str, RowResult], warm: int) -> str:
     a2.set_xlabel("RSS growth, MiB per 1,000 requests (95 % CI)")
     a2.set_title(f"Memory after {warm} requests")
     a2.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(plot_path("overhead.png"), dpi=110)
-    plt.close(fig)
-    return "benchmarks/plots/overhead.png"
+    return save_plot(fig, "overhead.png")
 
 
 def run(quick: bool) -> Section:
@@ -271,7 +245,7 @@ def run(quick: bool) -> Section:
                 measure_round(engines[row], prompts, results[row])
         for row in progress(names, desc="memory"):
             measure_memory(engines[row], mem_requests, sample_every, results[row])
-            results[row].leaks = leak_report(engines[row])
+            results[row].leaks = settle_report(engines[row])
 
     base = results.get("no connector")
     again = results.get("no connector (again)")

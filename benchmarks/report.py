@@ -150,6 +150,27 @@ def plot_path(name: str) -> Path:
     return PLOTS / name
 
 
+def save_plot(fig, name: str) -> str:
+    """Write ``fig`` (tight layout, 110 dpi) to ``benchmarks/plots/NAME`` and close it; returns the
+    path the report links, relative to the repository root."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = plot_path(name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path.relative_to(ROOT))
+
+
+def prompt_length_axes(ax, lengths: Sequence[int]) -> None:
+    """Prompt lengths on a log-2 x axis labelled 1k, 2k, ..., times on a log y axis, a light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(list(lengths), [f"{n // 1024}k" for n in lengths])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def progress(iterable, total: int | None = None, desc: str = ""):
     """A progress bar for long runs (tqdm when present, plain otherwise)."""
     try:
