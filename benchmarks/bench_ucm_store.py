@@ -21,7 +21,7 @@ import shutil
 import tempfile
 
 from benchmarks.bench_store import RawSide, _measure, keep_freed_memory
-from benchmarks.report import ROOT, Section, against_target, plot_path, progress, table
+from benchmarks.report import Section, against_target, progress, save_plot, table
 
 TITLE = "Store path: UCMConnector worker vs UCM's native store API"
 
@@ -187,11 +187,7 @@ def _plot(results: dict, sizes: list[int]) -> str:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("UCMConnector worker vs UCM native (Posix store)")
-    fig.tight_layout()
-    path = plot_path("ucm_store.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path.relative_to(ROOT))
+    return save_plot(fig, "ucm_store.png")
 
 
 if __name__ == "__main__":

@@ -107,8 +107,11 @@ def against_target(
     met = value >= target if higher_is_better else value <= target
     sign = ">=" if higher_is_better else "<="
     gap = abs(value - target)
-    tail = f"target {sign} {target:{fmt}}{unit}" + ("" if met else f", short by {gap:{fmt}}{unit}")
-    return Claim(f"{what}: {value:{fmt}}{unit} ({tail})", met)
+    shown, gap_shown = f"{value:{fmt}}", f"{gap:{fmt}}"
+    if not met and float(gap_shown) == 0:  # missed by less than the format shows: say by how much
+        shown, gap_shown = f"{value:.3g}", f"{gap:.1g}"
+    tail = f"target {sign} {target:{fmt}}{unit}" + ("" if met else f", short by {gap_shown}{unit}")
+    return Claim(f"{what}: {shown}{unit} ({tail})", met)
 
 
 # ---------------------------------------------------------------- output
