@@ -160,3 +160,12 @@ def test_key_ids():
     assert ucm_key_id("kv/x/mla/00") != ucm_block_id(b"\x00", model="x", tp_size=1, dtype="f", rank=0, use_mla=True)
     with pytest.raises(ValueError):
         ucm_key_id("")
+
+
+def test_disk_cap_is_on_by_default_and_can_be_set_or_turned_off():
+    base = {"ucm_connector_config": {"store_pipeline": "Posix", "storage_backends": "/x"}}
+    assert parse(**base).disk_capacity_bytes is None  # None: the default cap (16 GiB / half free)
+    assert parse(**base, disk_capacity_bytes=0).disk_capacity_bytes == 0  # off
+    assert parse(**base, disk_capacity_bytes=1 << 30).disk_capacity_bytes == 1 << 30
+    with pytest.raises((ConnectorConfigError, ValueError), match="disk_capacity_bytes"):
+        parse(**base, disk_capacity_bytes=-1)

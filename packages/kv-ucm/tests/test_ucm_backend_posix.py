@@ -227,3 +227,62 @@ def test_dump_failure_is_counted_not_raised(tmp_path):
     assert report is None or not report.stored_by_tag
     worker.close(10)
     backend.close()
+
+
+# -- the disk cap (issue 15 §3: on by default, least recently used first) -------------------------
+
+CAP_VALUE = 64 << 10  # 64 KiB per block
+
+
+def posix_bytes(root) -> int:
+    """Bytes of UCM block files under ``root`` (UCM's own bookkeeping files start with a dot)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files if not f.startswith("."))
+    return total
+
+
+def test_posix_store_is_capped_by_default(tmp_path):
+    with UcmBackend(posix(tmp_path), value_size=CAP_VALUE) as b:
+        assert b.disk_capacity_bytes and b.disk_capacity_bytes > 0  # on without any setting
+
+
+def test_posix_store_stays_under_its_disk_cap(tmp_path):
+    cap = 8 * CAP_VALUE
+    with UcmBackend(posix(tmp_path), value_size=CAP_VALUE, disk_capacity_bytes=cap) as b:
+        for i in range(32):
+            assert b.batch_put([f"k{i}"], [bytes([i]) * CAP_VALUE]) == [True]
+            assert posix_bytes(tmp_path) <= cap
+        assert b.batch_exists(["k31", "k0"]) == [True, False]
+        # an evicted block is a miss, never someone else's bytes
+        buf = bytearray(CAP_VALUE)
+        assert b.batch_get_into(["k0"], [memoryview(buf)]) == [-1]
+        assert b.counters["disk_evictions"] >= 24
+
+
+def test_posix_eviction_goes_by_last_access_not_write_time(tmp_path):
+    cap = 8 * CAP_VALUE
+    with UcmBackend(posix(tmp_path), value_size=CAP_VALUE, disk_capacity_bytes=cap) as b:
+        for i in range(6):
+            b.batch_put([f"k{i}"], [bytes([i]) * CAP_VALUE])
+            time.sleep(0.01)
+        buf = bytearray(CAP_VALUE)
+        assert b.batch_get_into(["k0"], [memoryview(buf)]) == [CAP_VALUE]  # k0: used last
+        time.sleep(0.01)
+        for i in range(6, 12):
+            b.batch_put([f"k{i}"], [bytes([i]) * CAP_VALUE])
+            time.sleep(0.01)
+        assert b.batch_exists(["k0", "k1", "k11"]) == [True, False, True]
+        assert b.batch_get_into(["k0"], [memoryview(buf)]) == [CAP_VALUE] and buf == bytes([0]) * CAP_VALUE
+
+
+def test_posix_cap_counts_blocks_already_in_the_directory(tmp_path):
+    cap = 8 * CAP_VALUE
+    with UcmBackend(posix(tmp_path), value_size=CAP_VALUE, disk_capacity_bytes=0) as b:  # 0: no cap
+        for i in range(12):
+            b.batch_put([f"old{i}"], [bytes([i]) * CAP_VALUE])
+    assert posix_bytes(tmp_path) == 12 * CAP_VALUE
+    with UcmBackend(posix(tmp_path), value_size=CAP_VALUE, disk_capacity_bytes=cap) as b:
+        b.batch_put(["new"], [b"\1" * CAP_VALUE])
+        assert posix_bytes(tmp_path) <= cap
+        assert b.batch_exists(["new"]) == [True]

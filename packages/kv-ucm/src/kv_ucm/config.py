@@ -20,6 +20,9 @@ over the file's first connector, so one YAML can serve several instances with a 
 ``use_layerwise: true`` means ``load_mode: "layerwise"`` (``false``: ``"sync"``); in the YAML file
 UCM's connector-only top-level keys (``use_layerwise``, ``enable_event_sync`` ...) are ignored.
 
+A disk cap is on by default for Posix pipelines (``disk_capacity_bytes``, ours, top level: None =
+16 GiB or half the free space, 0 = off): the least recently used block files are removed first.
+
 Defaults added to the UCM store config (a key given by the user wins):
 
 * ``posix_gc_enable: false``: UCM's Posix garbage collector makes every live instance on one
@@ -73,6 +76,10 @@ class UCMConfig(StoreConnectorConfig, frozen=True):  # frozen like its base (sai
     use_layerwise: bool | None = None
     # Accepted for config compatibility with UCM's connector; meaningless here (device events).
     enable_event_sync: bool | None = None
+    # Cap on the block files in a Posix pipeline's storage_backends, least recently used evicted
+    # first. None: 16 GiB or half the file system's free space, whichever is less; 0: no cap.
+    # (Off by default when UCM's own posix_gc_enable is on.)
+    disk_capacity_bytes: int | None = None
 
     no_effect_keys: ClassVar[dict[str, str]] = {
         "enable_event_sync": "device events of UCM's own CUDA/NPU connector; this connector copies on the host",
@@ -84,6 +91,8 @@ class UCMConfig(StoreConnectorConfig, frozen=True):  # frozen like its base (sai
     def __post_init__(self) -> None:
         if self.UCM_CONFIG_FILE is None and self.ucm_connectors is None and self.ucm_connector_config is None:
             raise ValueError(NO_STORE_MESSAGE)
+        if self.disk_capacity_bytes is not None and self.disk_capacity_bytes < 0:
+            raise ValueError(f"disk_capacity_bytes must be >= 0 (0: no cap), got {self.disk_capacity_bytes}")
         if self.use_layerwise is not None:
             msgspec.structs.force_setattr(self, "load_mode", "layerwise" if self.use_layerwise else "sync")
 

@@ -82,7 +82,7 @@ class UCMConnector(StoreConnectorBase):
             # Lookups only (UCM's device_id=-1 store); opened now so a bad config fails at start-up.
             return UcmBackend(spec.as_entry(), value_size=hint, lookup_only=True)
         # Worker: opened in register_kv_caches, once the KV layout gives the value size.
-        return UcmBackend(spec.as_entry())
+        return UcmBackend(spec.as_entry(), disk_capacity_bytes=config.disk_capacity_bytes)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)

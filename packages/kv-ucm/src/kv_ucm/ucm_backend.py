@@ -11,10 +11,14 @@
   (``UcmError``, a ``BackendError``) when UCM cannot answer at all: the scheduler counts that as
   a miss.
 * Roles: the scheduler needs lookups only (``lookup_only=True``: UCM's ``device_id=-1`` store).
+* Disk cap (Posix pipelines, on by default): ``disk_capacity_bytes`` (None: 16 GiB or half the free
+  space, 0: no cap) bounds the block files under ``storage_backends``; the least recently used
+  blocks go first (``posix_cap``). Off when UCM's own garbage collector is enabled.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -24,6 +28,7 @@ from kv_common.backend import Backend
 from kv_common.logging_utils import get_logger
 
 from kv_ucm.block_ids import ucm_key_id
+from kv_ucm.posix_cap import PosixDiskCap, default_posix_capacity
 from kv_ucm.ucm_store import UcmError, UcmStore
 
 logger = get_logger(__name__)
@@ -38,6 +43,16 @@ def _byte_view(buffer: Any) -> memoryview:
     return view
 
 
+def _posix_backend_dirs(config: Mapping[str, Any]) -> list[str]:
+    """The directories of a pipeline with a Posix tier ([] for any other pipeline)."""
+    if "Posix" not in str(config.get("store_pipeline", "")).split("|"):
+        return []
+    raw = config.get("storage_backends") or []
+    if isinstance(raw, (str, os.PathLike)):
+        return [p for p in str(raw).split(":") if p]
+    return [str(p) for p in raw]
+
+
 class UcmBackend(Backend):
     name = "ucm"
 
@@ -48,6 +63,7 @@ class UcmBackend(Backend):
         value_size: int | None = None,
         lookup_only: bool = False,
         store_factory: Any = None,
+        disk_capacity_bytes: int | None = None,
     ) -> None:
         """``entry``: one ``ucm_connectors`` entry (``ucm_connector_name`` + ``ucm_connector_config``)
         or a bare ``ucm_connector_config``. With ``value_size`` the store opens now (errors surface
@@ -71,12 +87,25 @@ class UcmBackend(Backend):
             "get_missed": 0,
             "get_errors": 0,
             "size_mismatch": 0,
+            "disk_evictions": 0,
         }
         self._count_lock = threading.Lock()  # saves and loads run on different threads
         self._last_log: dict[str, float] = {}
         self._closed = False
+        self._backend_dirs = _posix_backend_dirs(self.store_config)
+        self.disk_capacity_bytes = self._resolve_cap(disk_capacity_bytes)
+        self._disk_cap: PosixDiskCap | None = None
         if value_size is not None:
             self.open(value_size)
+
+    def _resolve_cap(self, requested: int | None) -> int | None:
+        if self.lookup_only or not self._backend_dirs or requested == 0:
+            return None
+        if self.store_config.get("posix_gc_enable") and requested is None:
+            return None  # UCM's own collector caps the directory (posix_capacity_gb)
+        if requested is not None and requested < 0:
+            raise ValueError(f"disk_capacity_bytes must be >= 0, got {requested}")
+        return int(requested) if requested is not None else default_posix_capacity(self._backend_dirs)
 
     # -- the native store ----------------------------------------------------------------------
 
@@ -107,6 +136,10 @@ class UcmBackend(Backend):
             self._store = store
             if value_size is not None:
                 self.value_size = int(value_size)
+                if self.disk_capacity_bytes and self._disk_cap is None:
+                    shard_digits = int(self.store_config.get("data_dir_shard_bytes", 3))
+                    self._disk_cap = PosixDiskCap(self._backend_dirs, self.disk_capacity_bytes, shard_digits=shard_digits)
+                    self._sync_evictions()
             logger.info(
                 "UCM store %s opened in %.2f s (%s, value size %s)",
                 store, time.perf_counter() - t0, "lookup only" if self.lookup_only else "transfers",
@@ -136,6 +169,12 @@ class UcmBackend(Backend):
         if n:
             with self._count_lock:
                 self.counters[name] += n
+
+    def _sync_evictions(self) -> None:
+        cap = self._disk_cap
+        if cap is not None:
+            with self._count_lock:
+                self.counters["disk_evictions"] = cap.evictions
 
     def _log(self, what: str, message: str, *args: Any) -> None:
         now = time.monotonic()
@@ -183,6 +222,10 @@ class UcmBackend(Backend):
                 ok = store.dump([ids[i] for i in todo], [views[i] for i in todo])
                 for i, good in zip(todo, ok, strict=True):
                     results[i] = bool(good)
+                cap = self._disk_cap
+                if cap is not None:
+                    cap.wrote(sum(1 for good in ok if good) * int(self.value_size or 0))
+                    self._sync_evictions()
         except (UcmError, ValueError, OSError) as exc:
             self._count("put_errors", 1)
             self._log("put", "UCM dump of %d block(s) failed: %s", len(keys), exc)
@@ -209,10 +252,14 @@ class UcmBackend(Backend):
             todo = [i for i, v in enumerate(views) if v.nbytes == self.value_size]
             self._count("size_mismatch", len(keys) - len(todo))
             if todo:
-                ok = store.load([ucm_key_id(keys[i]) for i in todo], [views[i] for i in todo])
+                ids = [ucm_key_id(keys[i]) for i in todo]
+                ok = store.load(ids, [views[i] for i in todo])
                 for i, good in zip(todo, ok, strict=True):
                     if good:
                         results[i] = views[i].nbytes
+                cap = self._disk_cap
+                if cap is not None:
+                    cap.touch(bid for bid, good in zip(ids, ok, strict=True) if good)
         except (UcmError, ValueError, OSError) as exc:
             self._count("get_errors", 1)
             self._log("get", "UCM load of %d block(s) failed: %s", len(keys), exc)
