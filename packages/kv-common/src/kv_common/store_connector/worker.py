@@ -350,8 +350,9 @@ class StoreWorker:
         if self._parts and self._parts_saves_safe():
             self._save_parts(transfer, keys, todo)
             return
-        # Runs of consecutive blocks to save, chunked to the staging size.
-        for lo, hi in _chunks(len(todo), staging.slots):
+        # Runs of consecutive blocks to save, in cache-sized passes: gather, seal and put read
+        # bytes the previous step just touched.
+        for lo, hi in _chunks(len(todo), codec.blocks_per_pass(self.value_size, staging.slots)):
             idx = todo[lo:hi]
             sub = BlockTransfer(
                 request_id=transfer.request_id,
@@ -389,7 +390,8 @@ class StoreWorker:
         trailers = self._save_trailers
         assert trailers is not None
         slots = len(trailers) // codec.TRAILER_SIZE
-        for lo, hi in _chunks(len(todo), slots):
+        # cache-sized passes: the backend copies the bytes the seal has just read
+        for lo, hi in _chunks(len(todo), codec.blocks_per_pass(self.value_size, slots)):
             idx = todo[lo:hi]
             values = []
             with self._gather_lock:
@@ -449,15 +451,18 @@ class StoreWorker:
             n = len(transfer.block_hashes)
             keys = self._keys(transfer.block_hashes)
             values = staging.values(staging.slots)[row : row + n]
-            t0 = time.perf_counter()
-            try:
-                results = self.backend.batch_get_into(keys, values)
-            except Exception as exc:  # noqa: BLE001 - a dead store is a miss
-                logger.warning("store get failed for %s: %s", transfer.request_id, exc)
-                results = [-1] * n
-            seconds = time.perf_counter() - t0
-            good, why = _count_intact(
-                results, lambda i, nbytes, values=values: codec.check_value(values[i], self.payload_size, nbytes, self._mac_key)  # type: ignore[misc]
+
+            def get(lo: int, hi: int, keys: list[str] = keys, values: list[memoryview] = values,
+                    transfer: BlockTransfer = transfer) -> list[int]:
+                try:
+                    return self.backend.batch_get_into(keys[lo:hi], values[lo:hi])
+                except Exception as exc:  # noqa: BLE001 - a dead store is a miss
+                    logger.warning("store get failed for %s: %s", transfer.request_id, exc)
+                    return [-1] * (hi - lo)
+
+            good, why, seconds = _fetch_checked(
+                n, codec.blocks_per_pass(self.value_size, n), get,
+                lambda i, nbytes, values=values: codec.check_value(values[i], self.payload_size, nbytes, self._mac_key),  # type: ignore[misc]
             )
             out.append(_Fetched(transfer, good, row, why, seconds))
             row += n
@@ -558,15 +563,17 @@ class StoreWorker:
         n = len(transfer.block_hashes)
         keys = self._keys(transfer.block_hashes)
         values = [self._block_parts(transfer, i, trailers, i) for i in range(n)]
-        t0 = time.perf_counter()
-        try:
-            results = self.backend.batch_get_parts(keys, values)  # type: ignore[attr-defined]
-        except Exception as exc:  # noqa: BLE001 - a dead store is a miss
-            logger.warning("store get failed for %s: %s", transfer.request_id, exc)
-            results = [-1] * n
-        seconds = time.perf_counter() - t0
-        good, why = _count_intact(
-            results, lambda i, nbytes: codec.check_parts(values[i][:-1], values[i][-1], nbytes, self._mac_key)
+
+        def get(lo: int, hi: int) -> list[int]:
+            try:
+                return self.backend.batch_get_parts(keys[lo:hi], values[lo:hi])  # type: ignore[attr-defined,no-any-return]
+            except Exception as exc:  # noqa: BLE001 - a dead store is a miss
+                logger.warning("store get failed for %s: %s", transfer.request_id, exc)
+                return [-1] * (hi - lo)
+
+        good, why, seconds = _fetch_checked(
+            n, codec.blocks_per_pass(self.value_size, n), get,
+            lambda i, nbytes: codec.check_parts(values[i][:-1], values[i][-1], nbytes, self._mac_key),
         )
         self._record_get(transfer, good, why, seconds)
         return good
@@ -754,3 +761,22 @@ def _count_intact(results: Sequence[int], check: Callable[[int, int], str | None
             return good, f"corrupt ({problem})"
         good += 1
     return good, ""
+
+
+def _fetch_checked(
+    n: int, per: int, get: Callable[[int, int], Sequence[int]], check: Callable[[int, int], str | None]
+) -> tuple[int, str, float]:
+    """Fetch blocks ``[0, n)`` in passes of ``per`` (``get(lo, hi)`` gives their byte counts) and
+    check each pass as soon as it landed, while its bytes are still in cache: (leading intact
+    blocks, why the next is not, seconds in ``get``). Stops at the first bad block: the blocks
+    after it are recomputed anyway."""
+    good, seconds = 0, 0.0
+    for lo, hi in _chunks(n, per):
+        t0 = time.perf_counter()
+        results = get(lo, hi)
+        seconds += time.perf_counter() - t0
+        ok, why = _count_intact(results, lambda i, nbytes, lo=lo: check(lo + i, nbytes))  # type: ignore[misc]
+        good += ok
+        if why:
+            return good, why, seconds
+    return good, "", seconds
