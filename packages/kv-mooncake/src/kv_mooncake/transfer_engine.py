@@ -26,9 +26,20 @@ _INSTALL_HINT = (
 # deadline; bounded per attempt, a stalled read fails early and is retried within the deadline.
 _ATTEMPT_TIMEOUT_ENV = ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 # An attempt that fails faster than this did not time out: the peer refused (gone, or the request is
-# invalid). A few of those in a row end the read; timeouts are retried until the deadline.
+# invalid). A few of those in a row end the read; timeouts are retried until the deadline. Against a
+# dead peer Mooncake's TCP lane reconnects with a ~1 s back-off, so its attempts fail after 0-1.1 s;
+# a stalled attempt fails after the attempt timeout: the bar sits between the two.
 _FAST_FAILURE_S = 1.0
+_FAST_FAILURE_SHARE = 0.6  # of the attempt timeout
 _MAX_FAST_FAILURES = 3
+
+
+def _attempt_timeout_s() -> float:
+    """Mooncake's limit on one transfer in this process (what the engine reads at start-up)."""
+    try:
+        return float(os.environ.get(_ATTEMPT_TIMEOUT_ENV[0], "30"))
+    except ValueError:
+        return 30.0
 
 
 def bound_attempt_timeouts(attempt_timeout_s: float) -> None:
@@ -217,6 +228,7 @@ class MooncakeTransferEngine:
         if attempt_timeout_s is not None:
             bound_attempt_timeouts(attempt_timeout_s)  # read by the engine: set before it starts
         self._engine = _engine_class()()
+        self._fast_failure_s = max(_FAST_FAILURE_S, _FAST_FAILURE_SHARE * _attempt_timeout_s())
         self.host = host
         self.max_inflight = max_inflight
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
@@ -297,8 +309,9 @@ class MooncakeTransferEngine:
         return total
 
     def _read_chunk(self, peer: str, reads: _PeerReads, local: Sequence[int], remote: Sequence[int],
-                    lengths: Sequence[int], deadline: float | None, on_retry: Callable[[str], None] | None) -> None:
-        fast_failures, attempts, backoff = 0, 0, 0.05
+                    lengths: Sequence[int], deadline: float | None, on_retry: Callable[[str], None] | None,
+                    fast_failures: int = 0, attempts: int = 0) -> None:
+        backoff = 0.05
         while True:
             attempts += 1
             # Waiting for the peer's reads counts against the pull's deadline like everything else.
@@ -311,7 +324,7 @@ class MooncakeTransferEngine:
             if rc == 0:
                 return
             took = time.monotonic() - started
-            fast_failures = fast_failures + 1 if took < _FAST_FAILURE_S else 0
+            fast_failures = fast_failures + 1 if took < self._fast_failure_s else 0
             what = f"{len(lengths)} reads from {peer}, attempt {attempts} failed after {took:.1f}s"
             if deadline is None or fast_failures >= _MAX_FAST_FAILURES or time.monotonic() + backoff >= deadline:
                 raise TransferError("batch_transfer_sync_read", rc, what)
@@ -420,7 +433,9 @@ class MooncakeTransferEngine:
         logger.warning("Mooncake: %s; reading again", what)
         if on_retry is not None:
             on_retry(what)
-        self._read_chunk(peer, self._reads(peer), item.local, item.remote, item.lengths, deadline, on_retry)
+        # The failed asynchronous attempt counts: a refusing peer ends the read after a few in all.
+        self._read_chunk(peer, self._reads(peer), item.local, item.remote, item.lengths, deadline, on_retry,
+                         fast_failures=1 if took < self._fast_failure_s else 0, attempts=1)
         return sum(item.lengths)
 
     def _wait(self, budget: _PeerBudget, item: _AsyncBatch) -> bool:
