@@ -59,3 +59,23 @@ def test_private_directory_that_others_can_reach_is_refused(tmp_path: Path, prob
         os.chown(d, 65534, 65534)
     with pytest.raises(PermissionError, match="spill_dir"):
         EmbeddedBackend(spill_dir=d, private_dir=True)
+
+
+def test_a_full_spill_directory_is_not_rescanned_on_every_write(tmp_path: Path):
+    """Over the cap, eviction leaves 10 % slack (caps of 64 MiB and more): a scan of the whole
+    directory (~9 us per file) pays for many writes instead of one."""
+    value = bytes(1 << 20)
+    b = EmbeddedBackend(capacity_bytes=0, spill_dir=tmp_path, spill_capacity_bytes=64 << 20)
+    scans = 0
+    real = b._spill_files
+
+    def counting():
+        nonlocal scans
+        scans += 1
+        return real()
+
+    b._spill_files = counting  # type: ignore[method-assign]
+    for i in range(84):
+        b.batch_put([f"k{i}"], [value])
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= 64 << 20
+    assert scans <= 3, scans

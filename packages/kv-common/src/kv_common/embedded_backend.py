@@ -40,6 +40,7 @@ _HEADER = struct.Struct("<8sQI")  # magic, payload length, crc32 of payload
 _SUFFIX = ".kvb"
 DEFAULT_SPILL_CAP_BYTES = 16 << 30
 MAX_SPILL_FREE_FRACTION = 0.5
+SPILL_SLACK_MIN_CAP = 64 << 20  # smaller caps evict exactly to the cap (tests, tiny directories)
 
 
 def default_spill_capacity(directory: str | os.PathLike[str]) -> int:
@@ -340,11 +341,18 @@ class EmbeddedBackend(Backend):
 
     def _evict_files(self, keep: str) -> None:
         """Remove the least recently used files (oldest mtime: written or last read) until the
-        directory fits its budget (other processes' files too)."""
+        directory fits its budget (other processes' files too). Caps of ``SPILL_SLACK_MIN_CAP`` and
+        more are evicted down to 90 %: the scan (~9 us per file) then pays for many writes."""
+        cap = self.spill_capacity_bytes
+        assert cap is not None
+        target = cap - cap // 10 if cap >= SPILL_SLACK_MIN_CAP else cap
         files = sorted(self._spill_files())
         total = sum(size for _, size, _ in files)
+        if total <= cap:
+            self._spill_bytes = total
+            return
         for _, size, path in files:
-            if total <= self.spill_capacity_bytes:  # type: ignore[operator]
+            if total <= target:
                 break
             if path.name == keep:
                 continue
