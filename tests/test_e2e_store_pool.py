@@ -70,7 +70,7 @@ def test_a_stores_and_exits_fresh_b_hits(pool, prompts, baseline_tokens):
     assert_same_tokens(ra, baseline_tokens)
     assert ra.num_cached_tokens == [0] * len(prompts)  # the pool started empty
     t0 = time.monotonic()
-    rc = a.close(timeout_s=40)  # A's shutdown waits for its saves in flight
+    rc = a.close(timeout_s=90)  # A's shutdown waits for its saves in flight (90: vCPU stalls)
     print(f"\n[pool] A exited rc={rc} in {time.monotonic() - t0:.1f} s")
     assert rc == 0, a.stderr_tail()
     assert pool["holder"].alive

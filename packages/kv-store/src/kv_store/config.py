@@ -173,6 +173,9 @@ def _preflight(config: StoreConfig) -> Any:
             else:
                 plan.problems.append(f"mooncake backend: master_server_address {options['master_server_address']!r} "
                                      "is not HOST:PORT")
+            if not config.mooncake.mount_segment:
+                plan.notes.append("mooncake.mount_segment false: this instance mounts no memory; saves succeed only "
+                                  "while a standalone mooncake_client holds the pool (not checked)")
     for ep in importlib_metadata.entry_points(group=BACKEND_GROUP):
         if ep.name == config.backend and ep.name not in BUILTIN_BACKENDS:
             module, _, attribute = ep.value.partition(":")
