@@ -19,9 +19,12 @@ class StoreConnectorConfig(ConnectorConfig, frozen=True):  # frozen like its bas
     # lookup_backoff_s (every lookup is then a miss at once), then try one again. 0: no breaker.
     lookup_breaker_threshold: int = 3
     lookup_backoff_s: float = 30.0
-    # Load (worker side). "sync": all blocks are in place before the forward. "layerwise": the
-    # fetch runs in the background and each attention layer waits only for its own scatter.
-    load_mode: Literal["sync", "layerwise"] = "sync"
+    # Load (worker side). "sync": all blocks are in place before the forward (a slow get delays
+    # every request of that step). "async": the request waits outside the batch while a background
+    # thread loads it (vLLM's WAITING_FOR_REMOTE_KVS); the forward never waits for a load, the hit
+    # costs the request itself at least one extra engine step. vllm-ascend's ``load_async: true``.
+    # "layerwise": the fetch runs in the background and each attention layer waits only for its own scatter.
+    load_mode: Literal["sync", "async", "layerwise"] = "sync"
     # A load not done within load_timeout_s becomes a load error (vLLM recomputes); while the late
     # fetch still runs, later loads fail at once. Loads then go through staging so that a late
     # write never lands in the KV cache. 0: no deadline (zero-copy loads straight into the cache).

@@ -185,6 +185,15 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, StoreConnectorMetadata) else None
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Async loads start as soon as the step's plan arrives: vLLM calls start_load_kv only after
+        # the forward when no load of the step is synchronous.
+        if self._worker is not None and self.store_config.load_mode == "async" and self._worker.value_size:
+            plan = self._plan()
+            if plan is not None and plan.loads:
+                self._worker.start_async(plan)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         plan = self._plan()
@@ -192,6 +201,9 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
             return
         if self._worker.value_size == 0:  # register_kv_caches not called (V2 runner path)
             self._worker.register_kv_caches(forward_context_kv_caches(forward_context))
+        if self.store_config.load_mode == "async":
+            self._worker.start_async(plan)  # no-op for the loads bind_connector_metadata started
+            return
         if self.store_config.load_mode == "layerwise" and self._worker.start_layerwise(plan):
             return
         self._worker.load_sync(plan)
@@ -218,7 +230,8 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         if self._worker is None:
             return None, None
         done = self._worker.get_finished(finished_req_ids)
-        return (done or None), None
+        loaded = self._worker.take_finished_loads(finished_req_ids)  # async loads, once each
+        return (done or None), (loaded or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed = self.ledger.take_block_ids_with_load_errors()

@@ -149,7 +149,9 @@ class StoreScheduler:
             self._answer(lookup, lookup.deadline - self._clock())
         assert lookup.present is not None
         tokens = external_tokens(num_computed_tokens, first, lookup.present, self.block_size)
-        return tokens, False
+        # load_mode "async": vLLM holds the request in WAITING_FOR_REMOTE_KVS while the workers load
+        # in the background and schedules it once every worker reports it in finished_recving.
+        return tokens, self.config.load_mode == "async" and tokens > 0
 
     # ---- allocation and per-step plan -----------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -40,7 +40,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -107,6 +107,21 @@ class _Fetched:
 
 
 @dataclass
+class _AsyncLoad:
+    """One request's load in ``load_mode`` "async", run on the loader thread while the request
+    waits outside the forward (vLLM's WAITING_FOR_REMOTE_KVS). The loader appends each verified
+    and scattered part to ``fetched``; ``given_up`` (set under ``StoreWorker._async_lock``) stops
+    it before its next scatter, so nothing lands in the blocks once the request is reported."""
+
+    transfer: BlockTransfer
+    deadline: float | None  # time.monotonic(); None: no load_timeout_s
+    future: Future | None = None  # None: failed at once (the backend is still stuck)
+    fetched: list[_Fetched] = field(default_factory=list)
+    given_up: str = ""  # "timeout" | "aborted" | "stalled" once given up
+    aborted: bool = False  # vLLM finished (aborted) the request while it loaded
+
+
+@dataclass
 class _SaveJob:
     future: Future
     submitted: float  # time.monotonic()
@@ -163,6 +178,10 @@ class StoreWorker:
         # A load that missed its deadline and still runs: it owns the load staging until done.
         self._late_fetch: Future | None = None
         self._finished: set[str] = set()  # vLLM finished these; report once their saves are done
+        # load_mode "async": request id -> its load, until reported in finished_recving (once).
+        self._async_lock = threading.Lock()
+        self._async_loads: dict[str, _AsyncLoad] = {}
+        self._async_late: Future | None = None  # a load given up at its deadline that still runs
         self._report = StoreReport()
         # layer-wise loading state for the current step
         self._fetch: Future | None = None
@@ -676,6 +695,101 @@ class StoreWorker:
         self._fetch = None
         self._fetched = None
 
+    # ---- asynchronous loads (load_mode "async") -------------------------------------------
+    def start_async(self, plan: StorePlan) -> None:
+        """Queue each load on the loader thread and return at once: the forward never waits for
+        it. Each request is reported by ``take_finished_loads`` once its blocks are in place (or
+        failed, or given up at its deadline)."""
+        if self._load_staging is None:
+            return
+        for transfer in plan.loads:
+            if transfer.request_id in self._async_loads:  # started when the plan was bound
+                continue
+            job = _AsyncLoad(transfer, self._load_deadline())
+            late = self._async_late
+            if late is not None and not late.done():
+                # A load given up at its deadline still holds the loader: fail this one at once
+                # (reported next step) instead of queueing it behind the stuck call.
+                job.given_up = "stalled"
+                self.stats.incr("loads_skipped_backend_stalled")
+            else:
+                job.future = self._loader.submit(self._run_async, job)
+            self._async_loads[transfer.request_id] = job
+
+    def _run_async(self, job: _AsyncLoad) -> None:
+        """Loader thread: fetch, verify and scatter ``job`` round by round through the load
+        staging (only this thread uses it in async mode). Records nothing but ``job.fetched``."""
+        staging = self._load_staging
+        assert staging is not None
+        for part in self._rounds([job.transfer], staging.slots):
+            with self._async_lock:
+                if job.given_up:
+                    return
+            fetched = self._fetch_into(part, staging)
+            with self._async_lock:  # a give-up waits for this scatter (memory speed), never a get
+                if job.given_up:
+                    return
+                for f in fetched:
+                    for layer in self._layers:
+                        self._scatter_layer(layer, staging, f.transfer, f.row, f.good)
+                job.fetched.extend(fetched)
+            if any(f.good < len(f.transfer.block_hashes) for f in fetched):
+                return  # later blocks of the request are not valid after a bad one
+
+    def take_finished_loads(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose async load is over, each reported exactly once: done, failed (its bad
+        blocks and all after them are in the failure ledger, so vLLM recomputes only those),
+        past ``load_timeout_s`` (given up: the rest is recomputed), or aborted by vLLM (its blocks
+        are freed only once reported here)."""
+        done: set[str] = set()
+        if not self._async_loads:
+            return done
+        now = time.monotonic()
+        for req_id, job in list(self._async_loads.items()):
+            if req_id in finished_req_ids:
+                job.aborted = True
+            if job.future is not None and not job.future.done():
+                if job.aborted:
+                    why = "aborted"
+                elif job.deadline is not None and now > job.deadline:
+                    why = "timeout"
+                else:
+                    continue
+                with self._async_lock:
+                    if not job.future.done():
+                        job.given_up = why
+                if job.given_up == "timeout":
+                    self._async_late = job.future
+                    self.stats.incr("load_timeouts")
+                    logger.warning("store load of %s not done within %.1fs: its blocks are recomputed",
+                                   req_id, self.config.load_timeout_s)
+            del self._async_loads[req_id]
+            done.add(req_id)
+            self._account_async(job)
+        return done
+
+    def _account_async(self, job: _AsyncLoad) -> None:
+        """Stats and failure ledger for a finished async load (on the thread that reports it)."""
+        with self._async_lock:
+            fetched = list(job.fetched)
+        self._record_fetched(fetched)  # a bad block: it and every later block of its part
+        transfer = job.transfer
+        covered = sum(len(f.transfer.block_hashes) for f in fetched)
+        if job.aborted or covered >= len(transfer.block_hashes):
+            return  # all accounted for (a bad block was reported above), or nobody reads them
+        remaining = [g[covered:] for g in transfer.block_ids]  # blocks never fetched
+        if fetched and fetched[-1].good < len(fetched[-1].transfer.block_hashes):
+            self.ledger.record_failed_load(transfer.request_id, remaining)  # after a bad block
+        elif job.given_up:  # timeout, or failed at once while the backend is stuck
+            self._fail(BlockTransfer(request_id=transfer.request_id, block_hashes=transfer.block_hashes[covered:],
+                                     block_ids=remaining), 0, "timeout")
+        else:  # the loader raised
+            error = job.future.exception() if job.future is not None else None
+            logger.warning("store load of %s failed (%s): its blocks are recomputed", transfer.request_id, error)
+            self.stats.record_failure("load_error")
+            self.stats.incr("blocks_load_failed", len(remaining[0]) if remaining else 0)
+            self.ledger.record_failed_load(transfer.request_id, remaining)
+
     # ---- per-step results -----------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         done: set[str] = set()
@@ -721,7 +835,7 @@ class StoreWorker:
             held = len(self._pending_saves)
         return {
             "pending_saves": pending,
-            "pending_loads": 0 if self._fetch is None else 1,
+            "pending_loads": (0 if self._fetch is None else 1) + len(self._async_loads),
             "held_requests": held,
         }
 
