@@ -73,7 +73,8 @@ def _master():
 
 
 def _spill_files(spill: Path) -> list[Path]:
-    return sorted(p for p in spill.iterdir() if p.is_file() and p.suffix == ".kvb")
+    # block values only, not the namespace manifest (its framed JSON starts "KVMF" behind the file header)
+    return sorted(p for p in spill.iterdir() if p.is_file() and p.suffix == ".kvb" and b"KVMF" not in p.read_bytes()[:64])
 
 
 class Fleet:

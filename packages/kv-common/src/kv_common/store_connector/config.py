@@ -5,12 +5,21 @@ A connector package subclasses ``StoreConnectorConfig`` to add its backend's key
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from kv_common.config import ConnectorConfig
 
 
 class StoreConnectorConfig(ConnectorConfig, frozen=True):  # frozen like its base (said for mypy)
+    # Pin the store namespace by name (letters, digits, "._-", at most 64), e.g. to share blocks
+    # between instances serving one model from different paths. None: a digest of every setting
+    # that changes a block's bytes. Either way the namespace manifest is checked at start-up: an
+    # engine whose layout differs from the one stored refuses to start, naming each setting.
+    namespace: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")] | None = None
+    # Deadline of that start-up check; a store that does not answer in time skips it (logged).
+    manifest_timeout_s: float = 15.0
     # Lookup (scheduler side). "sync": answer within lookup_timeout_s (a late answer counts as a
     # miss). "async": answer "ask again later" while the lookup runs, so the scheduler never waits.
     lookup_mode: Literal["sync", "async"] = "sync"

@@ -22,7 +22,9 @@ from kv_common.backend import Backend
 from kv_common.config import parse_extra_config
 from kv_common.failure_ledger import FailureLedger
 from kv_common.logging_utils import get_logger
+from kv_common.store_connector import codec
 from kv_common.store_connector import keys as keys_mod
+from kv_common.store_connector import manifest as manifest_mod
 from kv_common.store_connector.config import StoreConnectorConfig
 from kv_common.store_connector.failure_policy import apply_recompute_policy
 from kv_common.store_connector.scheduler import StoreScheduler
@@ -76,6 +78,37 @@ def store_fingerprint(vllm_config: Any) -> dict[str, Any]:
     return fp
 
 
+def value_seal(config: StoreConnectorConfig, environ: Any = None) -> str:
+    """How values are sealed, as far as readers must agree: a MAC deployment refuses plain values
+    and a plain one refuses MAC-sealed values (``codec``), so two such instances sharing one
+    namespace would load, fail and remove each other's blocks forever. Keyed: instances with
+    different secrets must not share either; the name is a MAC of a constant, not the key."""
+    key = codec.mac_key_from_env(config.mac_key_env, environ)
+    if key is None:
+        return "plain"
+    import hashlib
+
+    return "mac:" + hashlib.blake2b(b"kv-common store namespace", digest_size=8, key=key).hexdigest()
+
+
+def manifest_settings(fingerprint: dict[str, Any], *, rank_tag: str, value_size: int, layout: dict[str, str],
+                      environ: Any = None) -> dict[str, Any]:
+    """Every byte-changing setting of this worker, by name, for the namespace manifest. The model is
+    named by its last path component (one model served from different mount points agrees) and
+    its revision; the full path is in the derived namespace only."""
+    settings = {k: v for k, v in fingerprint.items() if k != "model"}
+    settings["model_name"] = str(fingerprint.get("model", "")).rstrip("/").rsplit("/", 1)[-1]
+    settings.update(layout)
+    settings["rank_tag"] = rank_tag
+    settings["value_size"] = value_size
+    settings["value_trailer"] = f"{codec.TRAILER_SIZE} bytes"
+    settings["store_format"] = manifest_mod.FORMAT_VERSION
+    import socket
+
+    settings["writer"] = f"{socket.gethostname()} pid {os.getpid()}"
+    return settings
+
+
 _NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
 
 
@@ -116,7 +149,13 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         load = cfg.load if cfg.load is not None else bool(ktc.is_kv_consumer)
         save = cfg.save if cfg.save is not None else bool(ktc.is_kv_producer)
         fp = store_fingerprint(vllm_config)
-        self.namespace = keys_mod.namespace(fp)
+        fp["value_seal"] = value_seal(cfg)
+        self.fingerprint = fp
+        # A pinned namespace bypasses the digest: the manifest check (register_kv_caches) is then
+        # the only thing between this engine and KV of another layout.
+        self.namespace = cfg.namespace or keys_mod.namespace(fp)
+        self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        self.manifest_outcome = ""
         self.block_size = int(fp["block_size"]) or 16
         self.stats = StoreStats()
         self.ledger = FailureLedger()
@@ -158,6 +197,7 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
                 backend=self.backend, namespace=self.namespace, rank_tag=tag, config=cfg,
                 layer_groups=groups, stats=self.stats, ledger=self.ledger, writes_blocks=writes,
             )
+            self._layer_groups = groups
 
     def _apply_recompute_policy(self, ktc: Any) -> None:
         """A store miss or corrupt block must cost a recompute, never the request: set vLLM's
@@ -180,6 +220,27 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+        self.check_manifest(kv_caches)
+
+    def check_manifest(self, kv_caches: dict[str, Any]) -> str:
+        """Store this worker's layout manifest in the namespace unless one is there, and compare.
+        Raises ``ManifestMismatch`` (the engine refuses to start) naming each differing setting;
+        a store that cannot answer within ``manifest_timeout_s`` skips the check (logged)."""
+        assert self._worker is not None
+        worker = self._worker
+        layout = manifest_mod.layout_settings(kv_caches, self._layer_groups, block_size=self.block_size,
+                                              num_blocks=self._num_blocks or None)
+        settings = manifest_settings(self.fingerprint, rank_tag=worker.rank_tag, value_size=worker.value_size,
+                                     layout=layout)
+        where = (f"{self.connector_name}: store namespace {self.namespace!r} "
+                 f"({'pinned' if self.store_config.namespace else 'derived'}), rank tag {worker.rank_tag!r},")
+        self.manifest_outcome = manifest_mod.check_with_deadline(
+            self.backend, keys_mod.manifest_key(self.namespace, worker.rank_tag),
+            manifest_mod.make_manifest(settings), worker.value_size, where=where,
+            timeout_s=self.store_config.manifest_timeout_s,
+        )
+        logger.info("%s namespace manifest %s", where, self.manifest_outcome)
+        return self.manifest_outcome
 
     def _plan(self):
         meta = self._get_connector_metadata()

@@ -18,6 +18,10 @@ A key names one block of one rank's KV cache::
   layer count and vLLM's layer split, so a tag always names the same layers.
 - of the ranks that share a tag, only the lowest TP rank writes it (:func:`writes_tag`): the others
   hold the same bytes.
+- each tag also holds a layout manifest (``kv/<namespace>/<rank tag>/manifest``, see
+  ``manifest``) that every worker checks at start-up: it covers what the digest cannot (the
+  worker's tensor layout, the kernel block size) and a namespace pinned by name (config
+  ``namespace``), which bypasses the digest.
 """
 
 from __future__ import annotations
@@ -125,6 +129,11 @@ def hash_hex(block_hash: Any) -> str:
     if inner is not None:
         return hash_hex(inner)
     return hashlib.sha256(repr(block_hash).encode()).hexdigest()
+
+
+def manifest_key(ns: str, tag: str) -> str:
+    """The reserved key of a tag's layout manifest: a block key ends in a hex hash, never in this."""
+    return f"{KEY_PREFIX}/{ns}/{tag}/manifest"
 
 
 def block_key(ns: str, tag: str, block_hash: Any) -> str:
