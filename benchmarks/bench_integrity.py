@@ -111,16 +111,17 @@ def measure(backend, value_bytes: int, total_bytes: int, reps: int, **cfg) -> di
         f"{op}_ratio": statistics.median(r) for op, r in ratios.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+HEADER = ["backend", "value", "variant", "put raw GB/s", "put conn GB/s", "put ratio", "get raw GB/s",
+          "get conn GB/s", "get ratio"]
+
+
+def _rows(quick: bool, notes: list[str]) -> tuple[list[list], dict, str]:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     os.environ.setdefault("KV_BENCH_MAC", "benchmark deployment secret, 32b")
-    print(keep_freed_memory())
-    sizes = [256 << 10, 2 << 20] if args.quick else [128 << 10, 512 << 10, 2 << 20]
-    reps, total = (3, 32 << 20) if args.quick else (9, 64 << 20)
+    notes.append(keep_freed_memory())
+    sizes = [256 << 10, 2 << 20] if quick else [128 << 10, 512 << 10, 2 << 20]
+    reps, total = (3, 32 << 20) if quick else (9, 64 << 20)
     names = ["embedded"]
     master = None
     try:
@@ -129,11 +130,10 @@ def main() -> None:
         master = _Master()
         names.append("mooncake")
     except Exception as exc:  # noqa: BLE001
-        print(f"mooncake not measured: {exc}")
-    print(f"\n{LAYERS} layers x {KV_HEADS} KV heads x head size {HEAD_SIZE} fp32, {total >> 20} MiB per rep, "
-          f"median of {reps}; ratio = median over repetitions of connector / raw in the same repetition\n")
-    print("| backend | value | variant | put raw GB/s | put conn GB/s | put ratio | get raw GB/s | get conn GB/s | get ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+        notes.append(f"mooncake not measured: {exc}")
+    how = (f"{LAYERS} layers x {KV_HEADS} KV heads x head size {HEAD_SIZE} fp32, {total >> 20} MiB per rep, "
+           f"median of {reps}; ratio = median over repetitions of connector / raw in the same repetition")
+    rows, results = [], {}
     try:
         for name in names:
             backend = _backend(name, master, total)
@@ -141,14 +141,68 @@ def main() -> None:
                 for size in sizes:
                     for variant, cfg in VARIANTS.items():
                         r = measure(backend, size, total, reps, **cfg)
-                        print(f"| {name} | {size >> 10} KiB | {variant} | {r['put_raw']:.2f} | {r['put_conn']:.2f} | "
-                              f"{r['put_ratio']:.2f} | {r['get_raw']:.2f} | {r['get_conn']:.2f} | "
-                              f"{r['get_ratio']:.2f} |", flush=True)
+                        results[(name, size, variant)] = r
+                        rows.append([name, f"{size >> 10} KiB", variant, r["put_raw"], r["put_conn"], r["put_ratio"],
+                                     r["get_raw"], r["get_conn"], r["get_ratio"]])
             finally:
                 backend.close()
     finally:
         if master is not None:
             master.close()
+    return rows, results, how
+
+
+def claims(results: dict) -> list:
+    """The default (xxh3, loads with a deadline) against the 0.9 target, worst size per backend and
+    direction, and the one-core ceiling that explains the gap."""
+    from benchmarks.bench_integrity_cost import one_core_ceilings
+    from benchmarks.report import Claim, against_target
+
+    out = []
+    default = "xxh3 (default), loads with deadline"
+    for name in sorted({k[0] for k in results}):
+        for op in ("put", "get"):
+            got = [(r[f"{op}_ratio"], size) for (b, size, v), r in results.items() if b == name and v == default]
+            if not got:
+                continue
+            worst, size = min(got)
+            nocheck = results.get((name, size, "no check, zero-copy loads"))
+            extra = f"; no check, zero-copy loads: {nocheck[f'{op}_ratio']:.2f}" if nocheck else ""
+            out.append(against_target(f"{name} {op}, connector / raw, xxh3 check on, loads with a deadline "
+                                      f"(the defaults), worst value size ({size >> 10} KiB{extra})", worst, 0.9,
+                                      fmt=".2f"))
+    try:
+        c = one_core_ceilings(memoryview(os.urandom(32 << 20)))
+        out.append(Claim(
+            f"why: a copy plus the xxh3 check on one core reaches {c['put']:.2f} of the copy alone (put) and "
+            f"{c['get_staged']:.2f} for a load through staging (copy, check, second copy; "
+            f"{c['get_staged_fused']:.2f} with the scatter in the passes): the measured ratios sit at that ceiling; "
+            "0.9 needs the check on another core than the copy"))
+    except ImportError as exc:
+        out.append(Claim(f"one-core ceiling not measured: {exc}"))
+    return out
+
+
+def run(quick: bool):
+    from benchmarks.report import Section, table
+
+    notes: list[str] = []
+    rows, results, how = _rows(quick, notes)
+    return Section(
+        title="Integrity at memory speed (issue 15 §5)",
+        summary=(__doc__ or "").strip().split("\n\n")[0].replace("\n", " ") + " " + how + ".",
+        tables=[table(HEADER, rows)],
+        notes=notes,
+        claims=claims(results),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    section = run(args.quick)
+    print("\n\n".join([section.summary, *section.tables, *(c.markdown() for c in section.claims), *section.notes]))
 
 
 if __name__ == "__main__":

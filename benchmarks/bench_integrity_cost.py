@@ -5,7 +5,9 @@ value per block), single thread, block sizes of a KV block's range; a plain copy
 (``bytearray`` slice copy) is the memory-speed reference. Algorithms whose module is not installed
 are reported as such (``crc32c`` and ``xxhash`` are PyPI packages; zlib ships with Python).
 
-``bench_integrity`` measures the same checks end to end, through the store worker.
+``bench_integrity`` measures the same checks end to end, through the store worker. The one-core
+ceilings here say how far the check alone keeps the store path from the raw backend when nothing
+overlaps it: ``one_core_ceilings``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,64 @@ def gbps(fn: Callable[[memoryview], object], buf: memoryview, block: int, reps: 
     return out
 
 
+def one_core_ceilings(buf: memoryview, block: int = 256 * KIB, pass_bytes: int = 4 * MIB,
+                      reps: int = 5) -> dict[str, float]:
+    """Fractions of a plain copy of ``buf`` (block by block) that a store path with the xxh3 check
+    can reach on one core: ``put`` = check and copy in cache-sized passes (the worker's save);
+    ``put_unfused`` = check everything, then copy everything (the worker before passes);
+    ``get_staged`` = copy into staging and check in passes, then a second copy of everything into
+    the KV cache (the worker's load with a deadline); ``get_staged_fused`` = the same with the
+    second copy in the passes too. Best of ``reps`` per variant, variants interleaved (the fastest
+    run is the one least disturbed by the machine's other work)."""
+    import xxhash
+
+    h = xxhash.xxh3_64_intdigest
+    n = len(buf) // block
+    blocks = [buf[i * block : (i + 1) * block] for i in range(n)]
+    stage, kv = memoryview(bytearray(n * block)), memoryview(bytearray(n * block))
+    per = max(1, pass_bytes // block)
+
+    def copy(lo: int = 0, hi: int = n, src: list[memoryview] | None = None, dst: memoryview = stage) -> None:
+        for i in range(lo, hi):
+            dst[i * block : (i + 1) * block] = (src or blocks)[i]
+
+    staged = [stage[i * block : (i + 1) * block] for i in range(n)]
+    variants: dict[str, Callable[[], None]] = {"copy": copy}
+
+    def put() -> None:
+        for lo in range(0, n, per):
+            for b in blocks[lo : lo + per]:
+                h(b)
+            copy(lo, min(lo + per, n))
+
+    def put_unfused() -> None:
+        for b in blocks:
+            h(b)
+        copy()
+
+    def get_staged(fused: bool = False) -> None:
+        for lo in range(0, n, per):
+            hi = min(lo + per, n)
+            copy(lo, hi)
+            for b in staged[lo:hi]:
+                h(b)
+            if fused:
+                copy(lo, hi, staged, kv)
+        if not fused:
+            copy(0, n, staged, kv)
+
+    variants |= {"put": put, "put_unfused": put_unfused, "get_staged": get_staged,
+                 "get_staged_fused": lambda: get_staged(True)}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(reps + 1):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    base = min(times["copy"][1:])
+    return {name: base / min(t[1:]) for name, t in times.items() if name != "copy"}
+
+
 def run(quick: bool) -> Section:
     total = (64 if quick else 256) * MIB
     reps = 3 if quick else 7
@@ -75,6 +135,14 @@ def run(quick: bool) -> Section:
         claims.append(Claim(
             f"{name}: {g:.2f} GB/s on 256 KiB blocks (one thread), {1e3 / g:.0f} ms per GB"
             + (f", {g / median(res[(base, 256 * KIB)]):.1f}x zlib crc32" if name != base else "")))
+    ceilings = {}
+    if "xxh3 64" in algos:
+        ceilings = one_core_ceilings(buf[: min(len(buf), 64 * MIB)], reps=max(5, reps))
+        claims.append(Claim(
+            "one core, copy + xxh3 check as a fraction of the copy alone (256 KiB blocks, 4 MiB passes): "
+            f"put {ceilings['put']:.2f} (unfused {ceilings['put_unfused']:.2f}); get through staging "
+            f"{ceilings['get_staged']:.2f} (with the scatter in the passes too {ceilings['get_staged_fused']:.2f}): "
+            "the store path's ceiling against a memory-speed raw backend when nothing overlaps the check"))
     try:
         import matplotlib
 

@@ -260,6 +260,7 @@ def run(quick: bool) -> Section:
         rows,
     ))
     section.claims += store_claims(results, backends, sizes)
+    section.claims.append(why_claim(results, backends, sizes))
     try:
         section.plots.append(_plot(results, sizes, backends))
     except ImportError as exc:
@@ -284,6 +285,29 @@ def store_claims(results: dict, backends: list[str], sizes: list[int]) -> list[C
                 f"range {min(got)[0]:.2f}-{max(got)[0]:.2f}; without the check {nc[f'{d}_conn'] / nc[f'{d}_raw']:.2f})",
                 worst, 0.9, fmt=".2f"))
     return claims
+
+
+def why_claim(results: dict, backends: list[str], sizes: list[int]) -> Claim:
+    """Why the ratios sit where they do, from figures of this run: the one-core ceiling of a copy
+    plus the xxh3 check (``bench_integrity_cost.one_core_ceilings``) and the ratios without it."""
+    from benchmarks.bench_integrity_cost import one_core_ceilings
+
+    try:
+        c = one_core_ceilings(memoryview(os.urandom(32 << 20)))
+    except ImportError as exc:
+        return Claim(f"one-core ceiling not measured: {exc}")
+    nc = {d: [results[(b, s)][2][f"{d}_conn"] / results[(b, s)][2][f"{d}_raw"] for b in backends for s in sizes
+              if (b, s) in results] for d in ("put", "get")}
+    return Claim(
+        "why short of 0.9: the worker does the raw backend's copy plus the xxh3 check on the same core; "
+        f"on this machine, in this run, that alone caps put at {c['put']:.2f} of a plain copy and a load "
+        f"through staging (the default: load_timeout_s bounds it, so the late copy lands in staging, never "
+        f"in the KV cache, and a second copy scatters it) at {c['get_staged']:.2f}; without the check the "
+        f"connector measured put {min(nc['put']):.2f}-{max(nc['put']):.2f} and get "
+        f"{min(nc['get']):.2f}-{max(nc['get']):.2f} of raw (per-call and plan overhead, staging copy). "
+        "Reaching 0.9 needs the check off the copying core (xxh3 releases the GIL: a hasher thread per "
+        "pass) and the scatter inside the load's passes; on this shared 2-core VM the second core is rarely free"
+    )
 
 
 def _plot(results: dict, sizes: list[int], backends: list[str]) -> str:
