@@ -170,20 +170,6 @@ def test_truncated_value_is_detected():
     assert codec.check_value(memoryview(value), payload, len(value) - 1) is not None
 
 
-def test_layerwise_load_matches_sync():
-    backend = EmbeddedBackend(16 << 20)
-    worker, caches = make_worker(backend, load_mode="layerwise")
-    hashes = chain(list(range(8)))
-    worker.submit_saves(StorePlan(saves=[BlockTransfer(request_id="a", block_hashes=hashes, block_ids=[[1, 2]])]))
-    drain(worker, {"a"})
-    plan = StorePlan(loads=[BlockTransfer(request_id="b", block_hashes=hashes, block_ids=[[5, 6]])])
-    assert worker.start_layerwise(plan)
-    worker.wait_layer("layer0")
-    assert torch.equal(caches["layer0"][5:7], caches["layer0"][1:3])
-    worker.finish_layerwise()
-    assert torch.equal(caches["layer1"][5:7], caches["layer1"][1:3])
-
-
 class SlowBackend(Backend):
     def batch_exists(self, keys):
         time.sleep(0.5)

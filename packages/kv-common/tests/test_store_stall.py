@@ -218,23 +218,6 @@ def test_hung_load_becomes_a_load_error_within_its_deadline(backend):
     worker.close(1)
 
 
-def test_hung_layerwise_load_becomes_a_load_error_within_its_deadline(backend):
-    worker, caches = saved_worker(backend, load_timeout_s=0.3, load_mode="layerwise")
-    backend.hold("get")
-    assert worker.start_layerwise(StorePlan(loads=[transfer("x", HASHES, [9, 10, 11, 12])]))
-
-    def forward():
-        for name in caches:
-            worker.wait_layer(name)
-        worker.finish_layerwise()
-
-    took = timed(forward, 5.0)
-    assert took < 2.0, took
-    assert worker.ledger.take_block_ids_with_load_errors() == {9, 10, 11, 12}
-    backend.release("get")
-    worker.close(1)
-
-
 # ---- saves -----------------------------------------------------------------------------------
 
 def test_hung_save_releases_its_request_and_later_saves_are_skipped(backend):

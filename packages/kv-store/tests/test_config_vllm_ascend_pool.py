@@ -28,8 +28,11 @@ def test_documented_pool_configs_load(extra):
 
 
 def test_honoured_keys_change_behaviour():
-    assert parse_config({"use_layerwise": "true"}).load_mode == "layerwise"
-    assert parse_config({"use_layerwise": "false"}).load_mode == "sync"
+    assert parse_config({"load_async": "true"}).load_mode == "async"
+    assert parse_config({"load_async": "false"}).load_mode == "sync"
+    # no layer-wise mode: use_layerwise is accepted (vllm-ascend's configs start) without effect
+    assert parse_config({"use_layerwise": "true"}).load_mode == "sync"
+    assert parse_config({"use_layerwise": "true", "load_async": True}).load_mode == "async"
     assert parse_config({}).load_mode == "sync"
     assert parse_config({"consumer_is_to_put": "true"}).save is True
     assert parse_config({"consumer_is_to_put": False}).save is None
@@ -38,8 +41,13 @@ def test_honoured_keys_change_behaviour():
 
 
 def test_contradicting_keys_are_refused_naming_both():
-    with pytest.raises(ConnectorConfigError, match=r"key 'use_layerwise'.*load_mode"):
-        parse_config({"use_layerwise": "false", "load_mode": "layerwise"})
+    with pytest.raises(ConnectorConfigError, match=r"key 'load_async'.*load_mode 'async'"):
+        parse_config({"load_async": "false", "load_mode": "async"})
+
+
+def test_layerwise_load_mode_is_refused_pointing_to_load_async():
+    with pytest.raises(ConnectorConfigError, match=r"key 'load_mode'.*'layerwise' was removed.*load_async"):
+        parse_config({"load_mode": "layerwise"})
     with pytest.raises(ConnectorConfigError, match=r"key 'consumer_is_to_put'.*save"):
         parse_config({"consumer_is_to_put": True, "save": False})
     with pytest.raises(ConnectorConfigError, match=r"key 'consumer_is_to_load'.*load"):

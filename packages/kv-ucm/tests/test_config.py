@@ -106,8 +106,11 @@ def test_generic_keys_and_use_layerwise():
     store = {"ucm_connector_config": {"store_pipeline": "Posix", "storage_backends": "/z"}}
     cfg = parse(**store, lookup_mode="async", checksum=False, load_failure_policy="vllm", staging_bytes=1 << 20)
     assert (cfg.lookup_mode, cfg.checksum, cfg.load_failure_policy, cfg.staging_bytes) == ("async", False, "vllm", 1 << 20)
-    assert parse(**store, use_layerwise=True).load_mode == "layerwise"
-    assert parse(**store, use_layerwise=False, load_mode="layerwise").load_mode == "sync"
+    # no layer-wise mode: UCM's use_layerwise is accepted without effect, load_mode "layerwise" refused
+    assert parse(**store, use_layerwise=True).load_mode == "sync"
+    assert parse(**store, use_layerwise=True, load_mode="async").load_mode == "async"
+    with pytest.raises(ConnectorConfigError, match=r"key 'load_mode'.*'layerwise' was removed.*async"):
+        parse(**store, load_mode="layerwise")
     assert parse(**store, enable_event_sync=True).load_mode == "sync"
 
 

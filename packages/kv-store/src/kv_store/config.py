@@ -61,6 +61,8 @@ BUILTIN_BACKENDS = ("embedded", "mooncake")
 
 # vllm-ascend's AscendStoreConnector keys that do nothing here, and why (README: "vllm-ascend keys").
 _NO_EFFECT = {
+    "use_layerwise": "there is no layer-wise load mode (a stored value holds every layer of its block); "
+                     "\"load_async\": true loads without holding up the forward",
     "lookup_rpc_port": "it names vllm-ascend's scheduler-to-worker lookup IPC socket; here lookups "
                        "run in the scheduler process against the backend (nothing listens)",
     "mooncake_rpc_port": "vllm-ascend's older name of lookup_rpc_port; here lookups run in the "
@@ -92,13 +94,13 @@ class StoreConfig(StoreConnectorConfig, frozen=True):
     backend: str = "embedded"
     embedded: EmbeddedOptions = EmbeddedOptions()
     mooncake: MooncakeOptions = MooncakeOptions()
-    # vllm-ascend's keys, honoured: load_async -> load_mode "async", use_layerwise -> load_mode,
-    # consumer_is_to_put -> save, consumer_is_to_load -> load (a contradicting explicit value is refused).
+    # vllm-ascend's keys, honoured: load_async -> load_mode "async", consumer_is_to_put -> save,
+    # consumer_is_to_load -> load (a contradicting explicit value is refused).
     load_async: bool | None = None
-    use_layerwise: bool | None = None
     consumer_is_to_put: bool | None = None
     consumer_is_to_load: bool | None = None
     # vllm-ascend's keys accepted without effect (see _NO_EFFECT).
+    use_layerwise: bool | None = None
     lookup_rpc_port: int | str | None = None
     mooncake_rpc_port: int | str | None = None
     prefill_pp_size: int | None = None
@@ -127,8 +129,7 @@ class StoreConfig(StoreConnectorConfig, frozen=True):
                 "backend", f"{self.backend!r} is not installed here; installed backends: {', '.join(installed)}{hint}"
             )
         # vllm-ascend's spellings of our keys: mapped after checking they do not contradict.
-        if self.use_layerwise is False and self.load_mode == "layerwise":
-            raise ConfigKeyError("use_layerwise", "false contradicts load_mode 'layerwise'")
+        super().check()  # load_mode "layerwise" is refused
         if self.consumer_is_to_put is not None and self.save is not None and self.consumer_is_to_put != self.save:
             raise ConfigKeyError("consumer_is_to_put", f"{self.consumer_is_to_put} contradicts save {self.save}")
         if self.consumer_is_to_load is not None and self.load is not None and self.consumer_is_to_load != self.load:
@@ -142,8 +143,6 @@ class StoreConfig(StoreConnectorConfig, frozen=True):
             )
         if self.load_async is False and self.load_mode == "async":
             raise ConfigKeyError("load_async", "false contradicts load_mode 'async'")
-        if self.use_layerwise is not None:
-            self.set_in_check("load_mode", "layerwise" if self.use_layerwise else "sync")
         if self.load_async:
             self.set_in_check("load_mode", "async")
         if self.consumer_is_to_put:  # false keeps the role's default (vllm-ascend's default is false)

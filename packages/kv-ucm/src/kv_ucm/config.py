@@ -17,8 +17,9 @@ or the same settings inline (``"ucm_connectors": [...]``, or just ``"ucm_connect
 over the file's first connector, so one YAML can serve several instances with a different
 ``storage_backends`` each. Every generic store-connector key (``lookup_mode``, ``load_mode``,
 ``checksum``, ``load_failure_policy`` ...) is accepted next to these. Inline, UCM's
-``use_layerwise: true`` means ``load_mode: "layerwise"`` (``false``: ``"sync"``); in the YAML file
-UCM's connector-only top-level keys (``use_layerwise``, ``enable_event_sync`` ...) are ignored.
+``use_layerwise`` is accepted with a warning and no effect (there is no layer-wise load mode; use
+``load_mode: "async"``); in the YAML file UCM's connector-only top-level keys (``use_layerwise``,
+``enable_event_sync`` ...) are ignored.
 
 A disk cap is on by default for Posix pipelines (``disk_capacity_bytes``, ours, top level: None =
 16 GiB or half the free space, 0 = off): the least recently used block files are removed first.
@@ -38,7 +39,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import msgspec
 from kv_common.config import parse_extra_config
 from kv_common.logging_utils import get_logger
 from kv_common.store_connector.config import StoreConnectorConfig
@@ -72,7 +72,7 @@ class UCMConfig(StoreConnectorConfig, frozen=True):  # frozen like its base (sai
     ucm_connectors: list[dict[str, Any]] | None = None
     ucm_connector_name: str | None = None
     ucm_connector_config: dict[str, Any] | None = None
-    # UCM's own top-level keys. use_layerwise: true -> load_mode "layerwise" (false -> "sync").
+    # UCM's own top-level keys, accepted without effect (no_effect_keys).
     use_layerwise: bool | None = None
     # Accepted for config compatibility with UCM's connector; meaningless here (device events).
     enable_event_sync: bool | None = None
@@ -83,6 +83,8 @@ class UCMConfig(StoreConnectorConfig, frozen=True):  # frozen like its base (sai
 
     no_effect_keys: ClassVar[dict[str, str]] = {
         "enable_event_sync": "device events of UCM's own CUDA/NPU connector; this connector copies on the host",
+        "use_layerwise": "there is no layer-wise load mode (a stored value holds every layer of its block); "
+                         "load_mode 'async' loads without holding up the forward",
     }
 
     def preflight(self, kv_transfer_config: Mapping[str, Any]) -> Any:
@@ -93,8 +95,6 @@ class UCMConfig(StoreConnectorConfig, frozen=True):  # frozen like its base (sai
             raise ValueError(NO_STORE_MESSAGE)
         if self.disk_capacity_bytes is not None and self.disk_capacity_bytes < 0:
             raise ValueError(f"disk_capacity_bytes must be >= 0 (0: no cap), got {self.disk_capacity_bytes}")
-        if self.use_layerwise is not None:
-            msgspec.structs.force_setattr(self, "load_mode", "layerwise" if self.use_layerwise else "sync")
 
 
 def _preflight(config: UCMConfig) -> Any:

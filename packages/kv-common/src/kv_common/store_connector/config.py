@@ -9,7 +9,15 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kv_common.config import ConnectorConfig
+from kv_common.config import ConfigKeyError, ConnectorConfig
+
+# Why load_mode "layerwise" is refused (and vllm-ascend's / UCM's use_layerwise has no effect).
+LAYERWISE_REMOVED = (
+    "'layerwise' was removed: a stored value holds every layer of its block, so the first layer waited "
+    "for the whole get and nothing overlapped (measured: no faster than 'sync', BENCHMARKS.md 'Store "
+    "loads and the forward'). Use load_mode 'async' (vllm-ascend: \"load_async\": true): the load runs "
+    "outside the forward and other requests never wait for it"
+)
 
 
 class StoreConnectorConfig(ConnectorConfig, frozen=True):  # frozen like its base (said for mypy)
@@ -32,7 +40,7 @@ class StoreConnectorConfig(ConnectorConfig, frozen=True):  # frozen like its bas
     # every request of that step). "async": the request waits outside the batch while a background
     # thread loads it (vLLM's WAITING_FOR_REMOTE_KVS); the forward never waits for a load, the hit
     # costs the request itself at least one extra engine step. vllm-ascend's ``load_async: true``.
-    # "layerwise": the fetch runs in the background and each attention layer waits only for its own scatter.
+    # "layerwise" is refused at start-up (LAYERWISE_REMOVED says why).
     load_mode: Literal["sync", "async", "layerwise"] = "sync"
     # A load not done within load_timeout_s becomes a load error (vLLM recomputes); while the late
     # fetch still runs, later loads fail at once. Loads then go through staging so that a late
@@ -59,3 +67,7 @@ class StoreConnectorConfig(ConnectorConfig, frozen=True):  # frozen like its bas
     load_failure_policy: Literal["recompute", "vllm"] = "recompute"
     # Seconds shutdown waits for in-flight saves.
     shutdown_timeout_s: float = 30.0
+
+    def check(self) -> None:
+        if self.load_mode == "layerwise":
+            raise ConfigKeyError("load_mode", LAYERWISE_REMOVED)

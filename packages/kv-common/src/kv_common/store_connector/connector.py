@@ -265,20 +265,16 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         if self.store_config.load_mode == "async":
             self._worker.start_async(plan)  # no-op for the loads bind_connector_metadata started
             return
-        if self.store_config.load_mode == "layerwise" and self._worker.start_layerwise(plan):
-            return
         self._worker.load_sync(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._worker is not None:
-            self._worker.wait_layer(layer_name)
+        return  # loads are whole blocks: in place before the forward (sync) or outside it (async)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks are saved after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        self._worker.finish_layerwise()
         plan = self._plan()
         if plan is not None and plan.saves:
             self._worker.submit_saves(plan)

@@ -14,10 +14,12 @@
   ``batch_get_parts(keys, parts)`` (each value given as a list of buffers: one block slice per
   layer, then its 16-byte trailer) moves values straight between the paged KV cache and the store:
   no staging copy, the checksum computed and verified over the KV slices in place. The worker
-  registers every layer's KV tensor with such a backend (``register_buffer``). Layer-wise loads
-  still go through staging (each layer is scattered separately).
-- Loads: in ``start_load_kv`` before the forward ("sync"), or fetched in the background and
-  scattered per layer in ``wait_for_layer_load`` ("layerwise"). A missing, resized or corrupt value
+  registers every layer's KV tensor with such a backend (``register_buffer``).
+- Loads: in ``start_load_kv`` before the forward ("sync"), or ("async") on the loader thread
+  while vLLM keeps the request out of the batch (WAITING_FOR_REMOTE_KVS); the request is reported
+  in ``finished_recving`` once its blocks are in place, so the forward never waits for a get. No
+  layer-wise mode: a value holds every layer of its block, so the first layer would wait for the
+  whole get (measured: no better than "sync"). A missing, resized or corrupt value
   becomes a load error for that block and every later block of the request (all KV-cache groups),
   through the ``FailureLedger``; vLLM then recomputes them.
 - Saves: queued in ``wait_for_save`` (the forward has written the blocks) and run by one background
@@ -183,12 +185,6 @@ class StoreWorker:
         self._async_loads: dict[str, _AsyncLoad] = {}
         self._async_late: Future | None = None  # a load given up at its deadline that still runs
         self._report = StoreReport()
-        # layer-wise loading state for the current step
-        self._fetch: Future | None = None
-        self._fetch_deadline: float | None = None
-        self._fetch_plan: list[BlockTransfer] = []
-        self._fetched: list[_Fetched] | None = None
-        self._scattered: set[int] = set()
         self._closed = False
         # Zero-copy parts path (see module docstring); decided for good in register_kv_caches.
         self._parts = callable(getattr(backend, "batch_put_parts", None)) and callable(
@@ -636,65 +632,6 @@ class StoreWorker:
                 if f.good < len(f.transfer.block_hashes):
                     failed.add(f.transfer.request_id)
 
-    def start_layerwise(self, plan: StorePlan) -> bool:
-        """Begin a background fetch; False when it does not fit staging (caller loads sync)."""
-        staging = self._load_staging
-        if staging is None or not plan.loads:
-            return True
-        if sum(len(t.block_hashes) for t in plan.loads) > staging.slots:
-            return False
-        self._scattered = set()
-        self._fetched = None
-        if self._loader_busy():
-            self.stats.incr("loads_skipped_backend_stalled")
-            self._fail_all(plan.loads, set(), "timeout")
-            return True
-        self._fetch_plan = list(plan.loads)
-        self._fetch_deadline = self._load_deadline()
-        self._fetch = self._loader.submit(self._fetch_into, self._fetch_plan, staging)
-        return True
-
-    def _layerwise_result(self) -> list[_Fetched] | None:
-        """The background fetch, waited for once (within its deadline); None when it missed it."""
-        if self._fetched is None:
-            assert self._fetch is not None
-            deadline = self._fetch_deadline
-            try:
-                self._fetched = self._fetch.result(
-                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
-                )
-            except FutureTimeout:
-                self._late_fetch, self._fetch = self._fetch, None
-                self.stats.incr("load_timeouts")
-                logger.warning("store load not done within %.1fs: its blocks are recomputed",
-                               self.config.load_timeout_s)
-                self._fail_all(self._fetch_plan, set(), "timeout")
-                return None
-            self._record_fetched(self._fetched)
-        return self._fetched
-
-    def wait_layer(self, layer_name: str) -> None:
-        if self._fetch is None:
-            return
-        index = self._layer_index.get(layer_name)
-        if index is None or index in self._scattered:
-            return
-        fetched = self._layerwise_result()
-        if fetched is None:
-            return
-        assert self._load_staging is not None
-        for f in fetched:
-            self._scatter_layer(self._layers[index], self._load_staging, f.transfer, f.row, f.good)
-        self._scattered.add(index)
-
-    def finish_layerwise(self) -> None:
-        if self._fetch is None:
-            return
-        for layer in self._layers:
-            self.wait_layer(layer.name)
-        self._fetch = None
-        self._fetched = None
-
     # ---- asynchronous loads (load_mode "async") -------------------------------------------
     def start_async(self, plan: StorePlan) -> None:
         """Queue each load on the loader thread and return at once: the forward never waits for
@@ -835,7 +772,7 @@ class StoreWorker:
             held = len(self._pending_saves)
         return {
             "pending_saves": pending,
-            "pending_loads": (0 if self._fetch is None else 1) + len(self._async_loads),
+            "pending_loads": len(self._async_loads),
             "held_requests": held,
         }
 
