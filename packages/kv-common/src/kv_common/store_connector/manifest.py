@@ -216,6 +216,10 @@ def _compare(value: bytes | None, mine: Manifest, where: str, value_size: int) -
         raise ManifestMismatch(mismatch_message(where, diffs, stored.settings.get("writer", "")), diffs)
 
 
+_READ_BACK_TRIES = 20
+_READ_BACK_PAUSE_S = 0.1
+
+
 def publish_and_check(
     backend: Backend, key: str, mine: Manifest, value_size: int, *, where: str,
     settle_s: float = 0.5, sleep: Callable[[float], None] = time.sleep,
@@ -228,6 +232,11 @@ def publish_and_check(
         return "matched"
     backend.batch_put([key], [encode(mine, value_size)])
     present, value = _read(backend, key, value_size)
+    for _ in range(_READ_BACK_TRIES):  # a racing writer's put may not be complete yet (Mooncake)
+        if present:
+            break
+        sleep(_READ_BACK_PAUSE_S)
+        present, value = _read(backend, key, value_size)
     if not present:
         raise OSError("the manifest was not stored (backend full or refusing values)")
     _compare(value, mine, where, value_size)
