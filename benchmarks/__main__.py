@@ -25,11 +25,13 @@ from benchmarks.report import ROOT, Claim, Section, load_average, machine, table
 ORDER = [
     "bench_transfer_raw",
     "bench_mooncake",
+    "bench_verify_kv",
     "bench_pull_concurrency",
     "bench_integrity",
     "bench_integrity_cost",
     "bench_store",
     "bench_overhead",
+    "bench_producer_hold",
     "bench_ttft",
     "bench_proxy",
     "bench_ucm",
