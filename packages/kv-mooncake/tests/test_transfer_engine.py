@@ -325,3 +325,26 @@ def test_concurrent_reads_to_one_peer_are_batched_and_a_bad_one_fails_alone():
     finally:
         dst_te.close()
         src_te.close()
+
+
+def test_peer_budget_bounds_transfers_and_lets_a_waiting_reader_in():
+    """The per-peer budget: never more than its limit in flight; while a reader waits for slots a
+    pipeline cannot take freed slots first (it completes its own oldest call instead)."""
+    from kv_mooncake.transfer_engine import _PeerBudget
+
+    budget = _PeerBudget(128)
+    assert budget.try_acquire(64) and budget.try_acquire(64)
+    assert not budget.try_acquire(1)  # full
+    assert not budget.acquire(64, time.monotonic() + 0.05)  # waits until its give-up time, then False
+    got = threading.Event()
+    waiter = threading.Thread(target=lambda: budget.acquire(64, time.monotonic() + 10) and got.set())
+    waiter.start()
+    while budget._waiting == 0:
+        time.sleep(0.001)
+    budget.release(64)
+    assert not budget.try_acquire(64) or got.is_set()  # the waiting reader goes first
+    waiter.join(10)
+    assert got.is_set() and budget.in_flight == 128
+    budget.release(64)
+    budget.release(64)
+    assert budget.in_flight == 0 and budget.try_acquire(500) and budget.in_flight == 128  # a big call: the limit

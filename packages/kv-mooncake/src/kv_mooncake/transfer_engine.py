@@ -67,27 +67,34 @@ class _PeerBudget:
     def __init__(self, limit: int):
         self.limit = limit
         self._used = 0
+        self._waiting = 0
         self._cond = threading.Condition()
 
     def acquire(self, n: int, give_up: float | None) -> bool:
         """Take ``n`` (at most ``limit``) slots; False when ``give_up`` (time.monotonic) passed first."""
         n = min(n, self.limit)
         with self._cond:
-            while self._used + n > self.limit:
-                if give_up is None:
-                    self._cond.wait()
-                    continue
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            self._used += n
-            return True
+            self._waiting += 1
+            try:
+                while self._used + n > self.limit:
+                    if give_up is None:
+                        self._cond.wait()
+                        continue
+                    left = give_up - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                self._used += n
+                return True
+            finally:
+                self._waiting -= 1
 
     def try_acquire(self, n: int) -> bool:
+        """Take ``n`` slots if free and nobody waits for slots: a pipeline that keeps the budget
+        full then completes its oldest call instead, and a second pull to the peer gets its turn."""
         n = min(n, self.limit)
         with self._cond:
-            if self._used + n > self.limit:
+            if self._waiting or self._used + n > self.limit:
                 return False
             self._used += n
             return True
