@@ -135,3 +135,15 @@ def test_mount_segment_false_contradicting_an_inline_segment_is_refused():
     # an explicit zero agrees
     parse_config({"backend": "mooncake", "mooncake": {
         "master_server_address": "127.0.0.1:1", "mount_segment": False, "global_segment_size": 0}})
+
+
+def test_client_helper_without_master_fails_within_its_deadline_and_leaves_nothing():
+    from kv_common.testing.mooncake_master import free_port
+
+    client = MooncakeClient(f"127.0.0.1:{free_port()}", segment="16MB", start_timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="mooncake_client"):
+        client.__enter__()  # it gives up after a few setup retries (or the deadline kills it)
+    assert time.monotonic() - t0 < 90
+    assert client.proc is not None and client.proc.poll() is not None  # stopped, not left behind
+    assert not client.alive

@@ -151,6 +151,8 @@ class MooncakeClient:
         exe = shutil.which("mooncake_client") or str(Path(sys.executable).parent / "mooncake_client")
         self._log = tempfile.NamedTemporaryFile(prefix="mooncake-client-", suffix=".log", delete=False)
         env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+        # The master listens already: a few retries, not Mooncake's default ~90 s of them.
+        env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "3")
         self.proc = subprocess.Popen(
             self.command(exe), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
