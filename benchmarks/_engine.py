@@ -81,7 +81,7 @@ def importable(connector: str) -> str | None:
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)},
     )
     if proc.returncode == 0:
         return None

