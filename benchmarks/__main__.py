@@ -30,6 +30,7 @@ ORDER = [
     "bench_integrity",
     "bench_integrity_cost",
     "bench_store",
+    "bench_store_load",
     "bench_overhead",
     "bench_producer_hold",
     "bench_ttft",
