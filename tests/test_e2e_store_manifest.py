@@ -100,6 +100,7 @@ def test_pinned_namespace_with_another_block_size_refuses_to_start(engines):
     with pytest.raises(EngineError) as err:
         q.start()
     text = f"{err.value}\n{err.value.args}"
-    print(f"\n[manifest] Q refused in {time.perf_counter() - t0:.1f} s")
+    line = next((x for x in text.splitlines() if "holds KV written with another layout" in x), "")
+    print(f"\n[manifest] Q refused in {time.perf_counter() - t0:.1f} s: {line[-700:]}")
     assert "store namespace 'team-shared' (pinned)" in text, text[-3000:]
     assert f"block_size: stored '{BLOCK}', this engine '{BLOCK // 2}'" in text, text[-3000:]
