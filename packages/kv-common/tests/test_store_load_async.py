@@ -10,6 +10,7 @@ The backend is the real embedded store behind a gate (``BlockingBackend``).
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -166,3 +167,22 @@ def test_every_rank_reports_its_own_load(backend):
         assert poll_finished(w) == {"x"}
         assert torch.equal(caches["layer0"][9:13], caches["layer0"][1:5])
         w.close(1)
+
+
+def test_a_request_whose_async_load_ran_is_not_offered_another(backend):
+    """vLLM frees a request whose async load failed with no valid block and looks it up again: a
+    hit that keeps failing (a get past its deadline while exists still answers) must not be
+    offered again, or the request loops for ever (seen in the engine test before this rule)."""
+    sched = make_scheduler(backend, load_mode="async")
+    req = FakeRequest("r", list(range(3 * BS + 1)))
+    backend.batch_put(block_keys("ns", "r0", req.block_hashes), [b"x"] * 3)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    sched.update_state_after_alloc(req, FakeBlocks([1, 2, 3, 4]), 3 * BS)
+    assert len(sched.build_plan(SimpleNamespace(
+        scheduled_new_reqs=[], num_scheduled_tokens={}, preempted_req_ids=set(),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                              num_computed_tokens=[]))).loads) == 1
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: recompute
+    sched.request_finished(req, [])
+    assert sched.leak_report() == {"pending_saves": 0, "pending_loads": 0, "held_requests": 0}
+    sched.close()

@@ -72,6 +72,11 @@ class StoreScheduler:
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[BlockTransfer] = []
         self._held: set[str] = set()  # finished, blocks kept until the workers' saves complete
+        # Requests given an async load once: when vLLM asks again (the load failed with no valid
+        # block, or a preemption) they are a miss. Otherwise a hit whose load keeps failing (a get
+        # past load_timeout_s while exists still answers) would be offered, fail, be freed and
+        # looked up again for ever; a sync load recovers in place instead.
+        self._async_loaded: set[str] = set()
         self._events: deque[Any] = deque(maxlen=MAX_EVENTS)
         self._lookup_errors_logged = False
         self._breaker = LookupBreaker(config.lookup_breaker_threshold, config.lookup_backoff_s, clock)
@@ -133,6 +138,8 @@ class StoreScheduler:
         if num_blocks <= first:
             return 0, False
         req_id = request.request_id
+        if req_id in self._async_loaded:
+            return 0, False
         lookup = self._lookups.get(req_id)
         if lookup is None or (lookup.first_block, lookup.num_blocks) != (first, num_blocks):
             if not self._breaker.allow():
@@ -181,6 +188,8 @@ class StoreScheduler:
             )
         )
         state.saved_upto = max(state.saved_upto, first + count)
+        if self.config.load_mode == "async":
+            self._async_loaded.add(req_id)
         self.stats.incr("lookup_hits")
         self.stats.incr("lookup_hit_tokens", num_external_tokens)
 
@@ -274,6 +283,7 @@ class StoreScheduler:
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._lookups.pop(req_id, None)
+        self._async_loaded.discard(req_id)
         state = self._requests.pop(req_id, None)
         if state is not None and state.has_saves:
             self._held.add(req_id)
