@@ -11,8 +11,8 @@ In the same round the decode's own TransferEngine reads the very same remote blo
 one synchronous batch per prefill (all N requests' blocks, chunked at 512) and one asynchronous
 batch per request submitted at once then awaited; the faster is the "best raw TE" of that round.
 
-``rows = run(quick)`` returns one dict per (prefills, in flight); ``write_rows(rows, path)`` writes
-them as a Markdown table. Run alone: ``python -m benchmarks.bench_pull_concurrency [--quick]``.
+``run(quick)`` returns the report's section; ``measure_all(rounds)`` one dict per (prefills, in
+flight), which ``write_rows(rows, path)`` writes as a Markdown table. Run alone: ``python -m benchmarks.bench_pull_concurrency [--quick]``.
 """
 
 from __future__ import annotations
@@ -216,9 +216,53 @@ def measure(num_prefills: int, in_flight: int, rounds: int) -> dict:
     }
 
 
-def run(quick: bool = False) -> list[dict]:
-    rounds = 3 if quick else 10
+def rounds_for(quick: bool) -> int:
+    return 5 if quick else 10
+
+
+def measure_all(rounds: int) -> list[dict]:
     return [measure(p, n, rounds) for p in PREFILLS for n in IN_FLIGHT]
+
+
+def run(quick: bool = False):
+    from benchmarks.report import Claim, Section, table
+
+    rounds = rounds_for(quick)
+    rows = measure_all(rounds)
+    claims = []
+    for p in PREFILLS:
+        mine = {r["in_flight"]: r for r in rows if r["prefills"] == p}
+        lo, hi = mine[min(mine)], mine[max(mine)]
+        claims.append(Claim(
+            f"{p} prefill{'s' if p > 1 else ''}: {hi['in_flight']} pulls in flight move {hi['GB_per_s']:.2f} GB/s "
+            f"({hi['GB_per_s'] / lo['GB_per_s']:.1f}x one at a time), p50 / p99 latency {hi['p50_ms']:.1f} / "
+            f"{hi['p99_ms']:.1f} ms against {lo['p50_ms']:.1f} / {lo['p99_ms']:.1f} ms; "
+            f"{hi['vs_raw']:.2f} of the best raw TE reads of the same blocks"))
+    worst = min(rows, key=lambda r: r["vs_raw"])
+    claims.append(Claim(f"slowest against raw: {worst['prefills']} prefill(s), {worst['in_flight']} in flight: "
+                        f"{worst['vs_raw']:.2f} of the best raw TE reads"))
+    leaked = [(r["prefills"], r["in_flight"], leak) for r in rows for leak in r["prefill_leaks"]
+              if any((leak or {}).values())]
+    claims.append(Claim("prefill leak reports at the end of every measurement: "
+                        + (f"left over {leaked}" if leaked else "nothing held, no active read"), not leaked))
+    return Section(
+        title="Decode pulls with several requests in flight, from one and from two prefills (issue 13 §3)",
+        summary=(
+            f"One decode MooncakeWorker pulls N requests of {BLOCKS_PER_REQUEST * NUM_LAYERS * BLOCK_BYTES >> 20} MiB "
+            f"({BLOCKS_PER_REQUEST} blocks x {NUM_LAYERS} layers of {BLOCK_BYTES >> 10} KiB) at once from one or two "
+            "prefill workers (own processes, loopback TCP), started together the way vLLM's model runner starts a "
+            "step's pulls, polled with get_finished until all N are reported; every destination byte checked after "
+            "each round. Latency: start to the request's report. 'of raw': the same blocks read by the decode's "
+            "own TransferEngine in the same round (one sync batch per prefill, or one async batch per request), "
+            "the faster of the two."
+        ),
+        tables=[table(["prefills", "in flight", "pulls/s", "GB/s", "p50 ms", "p99 ms", "best raw TE GB/s", "of raw"],
+                      [[r["prefills"], r["in_flight"], r["pulls_per_s"], r["GB_per_s"], r["p50_ms"], r["p99_ms"],
+                        r["raw_GB_per_s"], r["vs_raw"]] for r in rows])],
+        notes=[f"{rounds} rounds per row after a warm-up round; p99 over rounds x requests in flight (with few "
+               "samples it is the slowest one)"],
+        claims=claims,
+    )
 
 
 def write_rows(rows: list[dict], path: str | os.PathLike[str]) -> None:
@@ -233,7 +277,7 @@ def write_rows(rows: list[dict], path: str | os.PathLike[str]) -> None:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
         return _serve(argv[1], int(argv[2]), int(argv[3]))
-    rows = run(quick="--quick" in argv)
+    rows = measure_all(rounds_for("--quick" in argv))
     out = ROOT / "benchmarks" / "pull_concurrency.md"
     write_rows(rows, out)
     print(out.read_text())
