@@ -261,7 +261,7 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         if plan is None or not plan.loads:
             return
         if self._worker.value_size == 0:  # register_kv_caches not called (V2 runner path)
-            self._worker.register_kv_caches(forward_context_kv_caches(forward_context))
+            self.register_kv_caches(forward_context_kv_caches(forward_context))  # + manifest check
         if self.store_config.load_mode == "async":
             self._worker.start_async(plan)  # no-op for the loads bind_connector_metadata started
             return
