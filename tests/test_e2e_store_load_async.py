@@ -6,6 +6,8 @@ prefix cache, then runs that prompt (a store hit) together with fresh prompts (m
 ``load_async`` the hit is loaded on a background thread while the request waits in
 WAITING_FOR_REMOTE_KVS, so the misses' first tokens come without waiting for the slow get; the hit
 itself still loads (its ``num_cached_tokens``) and every token equals a run without a connector.
+An engine whose ``load_timeout_s`` is shorter than the get gives the load up: vLLM recomputes the
+blocks reported as load errors, without waiting for the get, and the tokens stay exact.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from conftest import BLOCK, requires_vllm
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
 GET_LATENCY_S = 4.0
+LOAD_TIMEOUT_S = 1.0  # the "deadline" engine's: its loads are given up, vLLM recomputes
 MAX_TOKENS = 8
 ENGINE = dict(max_tokens=MAX_TOKENS, kv_cache_bytes=16 << 20, max_model_len=512, multiprocess=False)
 NO_PREFIX_CACHE = {"enable_prefix_caching": False}
@@ -38,9 +41,13 @@ def engines(tiny_model, tmp_path_factory):
     cfg = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
         "backend": "kv_common.testing.slow_backend:make", "load_async": True, "load_timeout_s": 60,
         "embedded": {"spill_dir": str(spill), "write_through": True}}}
+    deadline = {**cfg, "kv_connector_extra_config": {**cfg["kv_connector_extra_config"],
+                                                     "load_timeout_s": LOAD_TIMEOUT_S}}
     specs = {
         "reference": dict(kv_transfer_config=None),
         "async": dict(kv_transfer_config=cfg, env={LATENCY_ENV: str(GET_LATENCY_S)}, instrument=True),
+        # the same store directory, gets slower than its load deadline
+        "deadline": dict(kv_transfer_config=deadline, env={LATENCY_ENV: str(GET_LATENCY_S)}, instrument=True),
     }
     started = {name: EngineProcess(tiny_model, name=name, extra_llm_kwargs=NO_PREFIX_CACHE, **{**ENGINE, **spec})
                .start(wait=False) for name, spec in specs.items()}
@@ -77,3 +84,24 @@ def test_async_load_does_not_delay_other_requests(engines):
     assert max(got.ttft_s[1:]) < GET_LATENCY_S / 2, got.ttft_s
     leaks = a._request({"op": "leak_report"}, 60.0, "leak_report")["connectors"]
     assert all(not any(r.values()) for r in leaks if r), leaks
+
+
+def test_async_load_past_its_deadline_is_recomputed(engines):
+    from kv_common.testing import assert_same_tokens
+
+    (eng, spill) = engines
+    hit, others = prompts(7, 1, 2), prompts(8, 1, 2)
+    want = eng["reference"].generate(hit + others)
+    files = len(list(spill.glob("*.kvb")))
+    assert_same_tokens(eng["async"].generate(hit), want.token_ids[:1])  # saved into the shared directory
+    deadline = time.monotonic() + 30
+    while len(list(spill.glob("*.kvb"))) < files + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    d = eng["deadline"]
+    got = d.generate(hit + others, timeout_s=120)
+    print(f"\n[load_async] get {GET_LATENCY_S}s, deadline {LOAD_TIMEOUT_S}s: TTFT hit {got.ttft_s[0]:.2f}s, "
+          f"other {got.ttft_s[1]:.2f}s")
+    assert_same_tokens(got, want)
+    assert got.num_cached_tokens == [0, 0], got.num_cached_tokens  # given up: recomputed
+    assert got.ttft_s[0] < GET_LATENCY_S, got.ttft_s  # it did not wait for the slow get
+    assert any("not done within" in w for w in got.log_warnings), got.log_warnings
