@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
 
+from kv_common.testing.mooncake_master import free_port
+
+from benchmarks._te_peer import PeerProcess
 from benchmarks.bench_transfer_raw import RAW_METHODS, read_blocks, te_bench_gbps
 from benchmarks.report import (
-    ROOT,
     Claim,
     Section,
     against_target,
@@ -79,12 +79,12 @@ def _kv_caches(block_bytes: int, num_blocks: int, pattern: bool):
     return caches
 
 
-def _worker(producer: bool, port: int, heads: int):
+def _worker(producer: bool, port: int, heads: int, verify_kv: bool = False):
     from kv_mooncake.config import MooncakeConfig
     from kv_mooncake.pull_plan import PrefillLayout
     from kv_mooncake.worker import MooncakeWorker
 
-    cfg = MooncakeConfig(hold_timeout_s=600.0, lease_s=60.0, pull_timeout_s=120.0)
+    cfg = MooncakeConfig(hold_timeout_s=600.0, lease_s=60.0, pull_timeout_s=120.0, verify_kv=verify_kv)
     return MooncakeWorker(
         cfg, engine_id=ENGINE_ID, is_producer=producer, is_consumer=not producer, side_channel_port=port,
         prefill_layout=PrefillLayout(tp_size=1, total_kv_heads=heads), total_kv_heads=heads,
@@ -93,56 +93,40 @@ def _worker(producer: bool, port: int, heads: int):
 
 
 # ---------------------------------------------------------------- prefill side (child process)
-def _serve(port: int, block_bytes: int, num_blocks: int) -> int:
+def _serve(port: int, block_bytes: int, num_blocks: int, verify_kv: bool = False) -> int:
     from kv_mooncake.metadata import HoldRequest, MooncakeStep
 
     caches = _kv_caches(block_bytes, num_blocks, pattern=True)
-    w = _worker(True, port, _shape(block_bytes)[0])
+    w = _worker(True, port, _shape(block_bytes)[0], verify_kv)
     w.register_kv_caches(caches)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:  # {"hold": rid, "block_ids": [...]}
         msg = json.loads(line)
         ids = msg["block_ids"]
+        t0 = time.perf_counter()  # with verify_kv the hold digests every block: timed for bench_verify_kv
         w.start_step(MooncakeStep(holds=[HoldRequest(request_id=msg["hold"], num_blocks=len(ids), block_ids=ids)]))
         w.get_finished()
-        print(json.dumps({"held": msg["hold"]}), flush=True)
+        print(json.dumps({"held": msg["hold"], "hold_s": time.perf_counter() - t0}), flush=True)
     print(json.dumps({"leaks": w.leak_report()}), flush=True)
     w.close()
     return 0
 
 
-class _Prefill:
-    def __init__(self, block_bytes: int, num_blocks: int) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_mooncake", "--serve", str(self.port), str(block_bytes), str(num_blocks)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
-        )
-        if not json.loads(self.proc.stdout.readline() or '{"ready": false}').get("ready"):  # type: ignore[union-attr]
-            self.close()
-            raise RuntimeError("prefill worker did not start")
+class _Prefill(PeerProcess):
+    """The prefill worker in its own process (:func:`_serve`), on a side-channel port of its own."""
 
-    def hold(self, request_id: str, block_ids: list[int]) -> None:
-        self.proc.stdin.write(json.dumps({"hold": request_id, "block_ids": block_ids}) + "\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-        self.proc.stdout.readline()  # type: ignore[union-attr]
+    def __init__(self, block_bytes: int, num_blocks: int, verify_kv: bool = False) -> None:
+        self.port = free_port()
+        super().__init__("benchmarks.bench_mooncake", "--serve", str(self.port), str(block_bytes), str(num_blocks),
+                         *(["--verify-kv"] if verify_kv else []), what="prefill worker")
 
-    def close(self) -> dict:
+    def hold(self, request_id: str, block_ids: list[int]) -> float:
+        """Hand the prefill a hold of ``block_ids``; returns how long taking it took there (s)."""
+        return float(self.request({"hold": request_id, "block_ids": block_ids}).get("hold_s", float("nan")))
+
+    def close(self, timeout_s: float = 20.0) -> dict:
         """Stop the prefill; returns its leak report (held blocks, active reads) at the end."""
-        leaks: dict = {}
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()  # type: ignore[union-attr]
-                line = self.proc.stdout.readline()  # type: ignore[union-attr]
-                leaks = json.loads(line).get("leaks", {}) if line else {}
-                self.proc.wait(20)
-            except (OSError, subprocess.TimeoutExpired, ValueError):
-                self.proc.kill()
-                self.proc.wait(5)
-        return leaks
+        return super().close(timeout_s).get("leaks", {})
 
 
 # ---------------------------------------------------------------- decode side (this process)
@@ -164,13 +148,14 @@ class Measured:
         self.to_finished: list[float] = []  # start_load_kv -> reported by get_finished
         self.raw: dict[str, list[float]] = {m: [] for m in RAW_METHODS}
         self.leaks: dict[str, dict] = {}
+        self.hold_s: list[float] = []  # the prefill taking the hold (digests included with verify_kv)
 
     def best_raw(self) -> list[float]:
         """Per repetition, the fastest raw method's time in that repetition."""
         return [min(ts) for ts in zip(*self.raw.values(), strict=True)]
 
 
-def measure(block_bytes: int, total_bytes: int, reps: int) -> Measured:
+def measure(block_bytes: int, total_bytes: int, reps: int, verify_kv: bool = False) -> Measured:
     """Seconds per pull of ``total_bytes`` through the connector's public path and every raw method."""
     import numpy as np
     import torch
@@ -182,8 +167,8 @@ def measure(block_bytes: int, total_bytes: int, reps: int) -> Measured:
     per_pull = total_bytes // (block_bytes * NUM_LAYERS)  # blocks of one request
     num_blocks = 2 * per_pull + 1
     rng = np.random.default_rng(block_bytes)
-    prefill = _Prefill(block_bytes, num_blocks)
-    decode = _worker(False, 0, heads)
+    prefill = _Prefill(block_bytes, num_blocks, verify_kv)
+    decode = _worker(False, 0, heads, verify_kv)
     conn = _public_connector(decode)
     done_events: dict[str, threading.Event] = {}
     done_at: dict[str, float] = {}
@@ -208,7 +193,7 @@ def measure(block_bytes: int, total_bytes: int, reps: int) -> Measured:
             remote_ids = [int(b) for b in rng.permutation(num_blocks)[:per_pull]]
             local_ids, raw_ids = perm[:per_pull], perm[per_pull : 2 * per_pull]  # disjoint destinations
             rid = f"bench-{block_bytes}-{total_bytes}-{rep}"
-            prefill.hold(rid, remote_ids)
+            hold_s = prefill.hold(rid, remote_ids)
             source = RemoteSource(engine_id=ENGINE_ID, host="127.0.0.1", port=prefill.port, request_id=rid,
                                   block_ids=remote_ids)
             req = PullRequest(request_id=rid, source=source, local_block_ids=[local_ids], num_blocks=per_pull,
@@ -268,6 +253,7 @@ def measure(block_bytes: int, total_bytes: int, reps: int) -> Measured:
                 if not bool((r[idx] == block_value(want, layer).to(torch.uint8)[:, None]).all()):
                     raise RuntimeError(f"rep {rep}: layer {layer}: the connector's destination blocks differ from the prefill's")
             if rep:
+                out.hold_s.append(hold_s)
                 total_s, fin_s = times["connector"]  # type: ignore[misc]
                 out.connector.append(total_s)
                 out.to_finished.append(fin_s)
@@ -453,7 +439,7 @@ def run(quick: bool) -> Section:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        sys.exit(_serve(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
+        sys.exit(_serve(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), verify_kv="--verify-kv" in sys.argv))
     sec = run(quick="--quick" in sys.argv)
     print("\n".join(c.markdown() for c in sec.claims))
     print("\n".join(sec.tables))
