@@ -67,7 +67,12 @@ def kv_cfg(**extra) -> dict:
 
 
 def block_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_file() and len(p.name) == 32 and not p.name.startswith(".")]
+    # block values only, not the namespace manifest (framed JSON starting "KVMF", stored like a block)
+    return [
+        p
+        for p in root.rglob("*")
+        if p.is_file() and len(p.name) == 32 and not p.name.startswith(".") and b"KVMF" not in p.read_bytes()[:64]
+    ]
 
 
 @pytest.fixture(scope="module")
