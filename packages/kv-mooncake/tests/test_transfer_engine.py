@@ -348,3 +348,27 @@ def test_peer_budget_bounds_transfers_and_lets_a_waiting_reader_in():
     budget.release(64)
     budget.release(64)
     assert budget.in_flight == 0 and budget.try_acquire(500) and budget.in_flight == 128  # a big call: the limit
+
+
+def test_read_batches_a_batch_that_cannot_be_built_ends_the_read_after_the_ones_before(target):
+    """The caller's address arithmetic fails for batch 2 (a block id outside its cache) while batches
+    0 and 1 are in flight: they land and are reported first, then the caller's error is raised."""
+    _, _, address, base, digests = target
+    local = np.zeros(3 * 400 * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    te.register([(local.ctypes.data, local.nbytes)])
+    counting = te._engine = _CountingAsync(te._engine)
+    landed: list[int] = []
+
+    def batches():
+        for i, b in enumerate(_batches(local.ctypes.data, base, list(range(1200)), 400)):
+            if i == 2:
+                raise LookupError("block id 100/24 outside the KV cache")
+            yield b
+
+    with pytest.raises(LookupError, match="outside the KV cache"):
+        te.read_batches(address, batches(), time.monotonic() + 20, landed.append)
+    assert landed == [0, 1] and not counting.outstanding
+    for j in range(800):
+        assert hashlib.sha256(local[j * BLOCK:(j + 1) * BLOCK]).hexdigest() == digests[j]
+    te.close()

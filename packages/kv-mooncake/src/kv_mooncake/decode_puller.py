@@ -445,16 +445,19 @@ class DecodePuller:
 
         # Blocks in request order, a batch at a time: a read that fails midway leaves a prefix of
         # the request's blocks complete, and only the rest is reported (and recomputed).
-        total = 0
-        for start in range(0, len(pull.blocks), PULL_BATCH_BLOCKS):
-            batch = dataclasses.replace(pull, blocks=pull.blocks[start:start + PULL_BATCH_BLOCKS])
-            local, remote, lengths = self._addresses(req, batch, hs)
-            total += self.te.read_blocks(hs.te_address, local, remote, lengths, deadline, on_chunk,
-                                         on_retry=lambda _why: self.stats.incr("transfer_retries"))
+        # Several batches in flight (asynchronous TE reads, transfer_engine.read_batches); each is
+        # verified and counted as read once its bytes landed, in order.
+        batches = [dataclasses.replace(pull, blocks=pull.blocks[start:start + PULL_BATCH_BLOCKS])
+                   for start in range(0, len(pull.blocks), PULL_BATCH_BLOCKS)]
+
+        def landed(i: int) -> None:
+            on_chunk()  # first, as before: a refused lease renewal leaves this batch unread
             if digests is not None:
-                self._verify(req, batch, hs, digests)
-            read.update(dst for _, dst in batch.blocks)
-        return total
+                self._verify(req, batches[i], hs, digests)
+            read.update(dst for _, dst in batches[i].blocks)
+
+        return int(self.te.read_batches(hs.te_address, (self._addresses(req, b, hs) for b in batches), deadline,
+                                        landed, on_retry=lambda _why: self.stats.incr("transfer_retries")))
 
     def _paired_runs(self, lp: KVPart, rp: KVPart, span: Any) -> list[tuple[int, int, int]]:
         key = (lp.shape, lp.strides, lp.roles, lp.element_size, rp.shape, rp.strides, rp.roles, rp.element_size,

@@ -357,7 +357,9 @@ class MooncakeTransferEngine:
         2048 x 16 KiB: 64-block calls one at a time 297 ms, eight in flight 146 ms). ``batches`` is
         consumed lazily, so the caller's address arithmetic overlaps the reads in flight.
         ``on_batch(i)`` runs in batch order once batch ``i``'s bytes have landed (verification,
-        progress, lease renewal); an exception from it ends the read. A failed engine call is read
+        progress, lease renewal); an exception from it ends the read. An exception from ``batches``
+        itself (a batch that cannot be built) ends it after the batches before it were read and
+        reported. A failed engine call is read
         again synchronously with :meth:`read_blocks`'s retry policy (with a deadline; without one
         the read fails at once), then the pipeline goes on. Raises TransferError with
         ``batches_done``, the number of batches read in full, in order, before the failure. Never
@@ -368,11 +370,21 @@ class MooncakeTransferEngine:
         redo: deque[_AsyncBatch] = deque()  # waited for after a failure, read again in order
         parts = self._parts(batches)
         done = total = 0
+        source_error: Exception | None = None
         try:
             while True:
-                item = redo.popleft() if redo else next(parts, None)
+                item = None
+                if redo:
+                    item = redo.popleft()
+                elif source_error is None:
+                    try:
+                        item = next(parts, None)
+                    except Exception as exc:  # noqa: BLE001 - a batch the caller could not build
+                        source_error = exc  # the batches before it are read (and reported) first
                 if item is None:
                     if not inflight:
+                        if source_error is not None:
+                            raise source_error
                         return total
                 else:
                     if deadline is not None and time.monotonic() > deadline:
