@@ -151,8 +151,12 @@ class Measured:
         self.hold_s: list[float] = []  # the prefill taking the hold (digests included with verify_kv)
 
     def best_raw(self) -> list[float]:
-        """Per repetition, the fastest raw method's time in that repetition."""
-        return [min(ts) for ts in zip(*self.raw.values(), strict=True)]
+        """The best raw method (lowest median over the repetitions), its time in each repetition.
+
+        Not the fastest method per repetition: the minimum of several noisy methods sits below each
+        method's own median, so a connector exactly as fast as the best method would score ~0.85."""
+        best_method = min(self.raw, key=lambda k: median(self.raw[k]))
+        return list(self.raw[best_method])
 
 
 def measure(block_bytes: int, total_bytes: int, reps: int, verify_kv: bool = False) -> Measured:
@@ -422,7 +426,7 @@ def run(quick: bool) -> Section:
             "by `get_finished` and the prefill acknowledged the PullDone; its destination blocks are zeroed before "
             "and compared byte for byte with the prefill's after every repetition. 'raw' reads the same remote "
             "blocks into other local blocks in the same repetition with each raw method of the ceilings section. "
-            "The number to read is the paired ratio: best raw time / connector time within each repetition, "
+            "The number to read is the paired ratio: the best raw method's time (lowest median) / connector time within each repetition, "
             "median with p10-p90. Target: >= 0.9; fixed cost per pull <= 0.3 ms."
         ),
         tables=[tab, small_tab],
