@@ -17,6 +17,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypeVar
+
+_P = TypeVar("_P", bound="_LoopbackProcess")
 
 
 def free_port() -> int:
@@ -26,37 +29,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class MooncakeMaster:
-    """``mooncake_master`` on 127.0.0.1, as a context manager.
+class _LoopbackProcess:
+    """One Mooncake binary on 127.0.0.1 in its own process group: started, ready once ``port``
+    listens (or failed with the tail of its log), stopped by pid, its log removed."""
 
-    >>> with MooncakeMaster() as master:   # doctest: +SKIP
-    ...     cfg = {"master_server_address": master.address}
-    """
+    binary = ""
+    port: int
+    start_timeout_s: float
+    stop_timeout_s = 5.0
 
-    def __init__(self, lease_ttl_ms: int = 500, start_timeout_s: float = 10.0) -> None:
-        self.port = free_port()
-        self.metrics_port = free_port()
-        self.lease_ttl_ms = lease_ttl_ms
-        self.start_timeout_s = start_timeout_s
+    def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
-        self.address = f"127.0.0.1:{self.port}"
         self._log: tempfile._TemporaryFileWrapper | None = None  # type: ignore[type-arg]
 
-    def __enter__(self) -> MooncakeMaster:
-        exe = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
-        self._log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)
+    def command(self, exe: str) -> list[str]:
+        raise NotImplementedError
+
+    def _env(self) -> dict[str, str] | None:
+        return None
+
+    def __enter__(self: _P) -> _P:
+        exe = shutil.which(self.binary) or str(Path(sys.executable).parent / self.binary)
+        self._log = tempfile.NamedTemporaryFile(prefix=f"{self.binary}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [
-                exe,
-                f"-rpc_port={self.port}",
-                "-rpc_address=127.0.0.1",
-                "-metrics_host=127.0.0.1",
-                f"-metrics_port={self.metrics_port}",
-                f"-default_kv_lease_ttl={self.lease_ttl_ms}",
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            self.command(exe), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=self._env()
         )
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
@@ -64,13 +60,19 @@ class MooncakeMaster:
                 rc = self.proc.returncode
                 tail = self.log_tail()
                 self.__exit__()
-                raise RuntimeError(f"mooncake_master exited rc={rc}: {tail}")
+                raise RuntimeError(f"{self.binary} exited rc={rc}: {tail}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
                 return self
             time.sleep(0.1)
         tail = self.log_tail()
         self.__exit__()
-        raise RuntimeError(f"mooncake_master did not listen on {self.address}: {tail}")
+        raise RuntimeError(
+            f"{self.binary} did not listen on 127.0.0.1:{self.port} within {self.start_timeout_s}s: {tail}"
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 2000) -> str:
         if self._log is None:
@@ -80,11 +82,17 @@ class MooncakeMaster:
         except OSError:
             return ""
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing is unmounted or cleaned up by the process itself."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(5)
+                self.proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
@@ -92,6 +100,35 @@ class MooncakeMaster:
             self._log.close()
             with contextlib.suppress(OSError):
                 os.unlink(self._log.name)
+            self._log = None
+
+
+class MooncakeMaster(_LoopbackProcess):
+    """``mooncake_master`` on 127.0.0.1, as a context manager.
+
+    >>> with MooncakeMaster() as master:   # doctest: +SKIP
+    ...     cfg = {"master_server_address": master.address}
+    """
+
+    binary = "mooncake_master"
+
+    def __init__(self, lease_ttl_ms: int = 500, start_timeout_s: float = 10.0) -> None:
+        super().__init__()
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.lease_ttl_ms = lease_ttl_ms
+        self.start_timeout_s = start_timeout_s
+        self.address = f"127.0.0.1:{self.port}"
+
+    def command(self, exe: str = "mooncake_master") -> list[str]:
+        return [
+            exe,
+            f"-rpc_port={self.port}",
+            "-rpc_address=127.0.0.1",
+            "-metrics_host=127.0.0.1",
+            f"-metrics_port={self.metrics_port}",
+            f"-default_kv_lease_ttl={self.lease_ttl_ms}",
+        ]
 
     def config_file(
         self, directory: str | os.PathLike[str], segment: str = "512mb", buffer: str = "128mb"
@@ -114,7 +151,7 @@ class MooncakeMaster:
         return str(path)
 
 
-class MooncakeClient:
+class MooncakeClient(_LoopbackProcess):
     """Mooncake's standalone ``mooncake_client`` on 127.0.0.1: it mounts ``segment`` bytes into the
     pool of ``master_address`` and holds them until stopped, so values stored there outlive the
     vLLM instances that wrote them (which then mount nothing: ``mooncake.mount_segment: false``).
@@ -127,13 +164,15 @@ class MooncakeClient:
     passes, and reads of them fail meanwhile.
     """
 
+    binary = "mooncake_client"
+    stop_timeout_s = 10.0
+
     def __init__(self, master_address: str, segment: str = "256MB", start_timeout_s: float = 30.0) -> None:
+        super().__init__()
         self.master_address = master_address
         self.segment = segment
         self.start_timeout_s = start_timeout_s
         self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: tempfile._TemporaryFileWrapper | None = None  # type: ignore[type-arg]
 
     def command(self, exe: str = "mooncake_client") -> list[str]:
         """The command line (what a deployment runs, with its own host and sizes)."""
@@ -147,59 +186,8 @@ class MooncakeClient:
             f"-global_segment_size={self.segment}",
         ]
 
-    def __enter__(self) -> MooncakeClient:
-        exe = shutil.which("mooncake_client") or str(Path(sys.executable).parent / "mooncake_client")
-        self._log = tempfile.NamedTemporaryFile(prefix="mooncake-client-", suffix=".log", delete=False)
+    def _env(self) -> dict[str, str]:
         env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
         # The master listens already: a few retries, not Mooncake's default ~90 s of them.
         env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "3")
-        self.proc = subprocess.Popen(
-            self.command(exe), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                rc = self.proc.returncode
-                tail = self.log_tail()
-                self.__exit__()
-                raise RuntimeError(f"mooncake_client exited rc={rc}: {tail}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
-                return self
-            time.sleep(0.1)
-        tail = self.log_tail()
-        self.__exit__()
-        raise RuntimeError(
-            f"mooncake_client did not listen on 127.0.0.1:{self.port} within {self.start_timeout_s}s: {tail}"
-        )
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, n: int = 2000) -> str:
-        if self._log is None:
-            return ""
-        try:
-            return Path(self._log.name).read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash: the segment is not unmounted (the master expires it later)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if self._log is not None:
-            self._log.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self._log.name)
-            self._log = None
+        return env
