@@ -7,6 +7,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from kv_common.testing.freeze import freeze
 from kv_mooncake.side_channel import (
     ErrorReply,
     SideChannelClient,
@@ -383,25 +384,6 @@ class _Peer:
                 self.proc.wait(5)
 
 
-def _wait_until_stopped(pid: int, timeout_s: float = 30.0) -> None:
-    """kill(SIGSTOP) returns before every thread has stopped: wait until they have."""
-    import os
-
-    give_up = time.monotonic() + timeout_s
-    while True:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{task}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:
-                continue
-        if states and all(s in "tT" for s in states):
-            return
-        assert time.monotonic() < give_up, states
-        time.sleep(0.001)
-
-
 def test_client_reconnects_to_a_restarted_peer():
     """The prefill restarts on the same port: the kept connection is not stuck on the dead one."""
     peer = _Peer(tag="first:")
@@ -450,8 +432,7 @@ def test_client_deadline_holds_on_a_frozen_peer_and_others_are_not_held_up():
     before = open_socket_count()
     try:
         assert client.request(frozen.address, Ping("0"), timeout_s=10) == Pong("f:0")
-        os.kill(frozen.proc.pid, signal.SIGSTOP)
-        _wait_until_stopped(frozen.proc.pid)
+        freeze(frozen.proc.pid)
         answers: list[object] = []
         t = threading.Thread(target=lambda: answers.append(client.request(healthy.address, Ping("1"), timeout_s=10)))
         start = time.monotonic()

@@ -15,6 +15,7 @@ import pytest
 np = pytest.importorskip("numpy")
 pytest.importorskip("mooncake.engine")
 
+from kv_common.testing.freeze import freeze  # noqa: E402
 from kv_mooncake.transfer_engine import _ATTEMPT_TIMEOUT_ENV, MooncakeTransferEngine, TransferError  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -87,25 +88,9 @@ def test_errors_are_transfer_errors_and_dead_peer_does_not_hang(target):
 
 
 def _freeze(pid: int, timeout_s: float = 30.0) -> None:
-    """SIGSTOP ``pid`` and wait until every thread of it is stopped. kill() returns before that:
-    the group stop reaches each thread when it next runs, measured here up to 0.1 s later (4 of 9
-    threads still running when kill() returned), and on a loaded machine longer; meanwhile the
-    peer's TransferEngine threads serve a read that was meant to stall (the flake: a read from a
-    'frozen' peer done in 0.026 s)."""
-    os.kill(pid, signal.SIGSTOP)
-    give_up = time.monotonic() + timeout_s
-    while True:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{task}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:  # a thread that just ended
-                continue
-        if states and all(st in "tT" for st in states):
-            return
-        assert time.monotonic() < give_up, f"process {pid} not stopped within {timeout_s}s: {states}"
-        time.sleep(0.001)
+    # kill() returns before every thread is stopped; meanwhile the peer's TE threads would serve a
+    # read meant to stall (the flake: a read from a 'frozen' peer done in 0.026 s)
+    freeze(pid, timeout_s)
 
 
 @pytest.mark.parametrize("method", ["read_blocks", "read_batches"])
