@@ -304,6 +304,11 @@ class StoreWorker:
             start = (row + j) * vs + layer.offset
             layer.block(ids[j])[:] = view[start : start + layer.nbytes]
 
+    def _scatter_fetched(self, staging: _Staging, fetched: _Fetched) -> None:
+        """A fetch's intact leading blocks from staging into every layer's KV blocks."""
+        for layer in self._layers:
+            self._scatter_layer(layer, staging, fetched.transfer, fetched.row, fetched.good)
+
     # ---- saves ----------------------------------------------------------------------------
     def submit_saves(self, plan: StorePlan) -> None:
         if not self.writes_blocks:
@@ -627,8 +632,7 @@ class StoreWorker:
                 return
             self._record_fetched(fetched)
             for f in fetched:
-                for layer in self._layers:
-                    self._scatter_layer(layer, staging, f.transfer, f.row, f.good)
+                self._scatter_fetched(staging, f)
                 if f.good < len(f.transfer.block_hashes):
                     failed.add(f.transfer.request_id)
 
@@ -667,8 +671,7 @@ class StoreWorker:
                 if job.given_up:
                     return
                 for f in fetched:
-                    for layer in self._layers:
-                        self._scatter_layer(layer, staging, f.transfer, f.row, f.good)
+                    self._scatter_fetched(staging, f)
                 job.fetched.extend(fetched)
             if any(f.good < len(f.transfer.block_hashes) for f in fetched):
                 return  # later blocks of the request are not valid after a bad one
