@@ -323,7 +323,13 @@ def test_prefill_sigkilled_mid_pull_recomputes_without_hang(engines):
     print(f"decode finished {elapsed:.2f}s after SIGKILL of the prefill ({len(pids)} processes)")
     assert elapsed < X_PULL_TIMEOUT_S + 30, elapsed  # the pull deadline plus the decode itself
     assert_same_tokens(out, reference)  # kv_load_failure_policy=recompute
-    # Every pull was in flight (or not yet begun) when P1 died: all were recomputed locally.
-    assert out.num_cached_tokens == [0] * len(prompts), (out.num_cached_tokens, out.log_warnings)  # type: ignore[union-attr]
+    # X pulls one request at a time, each read behind a 0.5 s test delay. A request whose bytes
+    # landed before the kill is a genuine hit (CI once saw [210, 0, 0] when the poll above answered
+    # late on a loaded machine); the kill must still cut at least one pull, and whatever was cut is
+    # recomputed from scratch or from a whole-block prefix, never half-loaded.
+    cached = out.num_cached_tokens  # type: ignore[union-attr]
+    assert min(cached) == 0, (cached, out.log_warnings)  # type: ignore[union-attr]
+    for n, prompt in zip(cached, prompts):
+        assert n == len(prompt) or n % BLOCK == 0, (cached, out.log_warnings)  # type: ignore[union-attr]
     _assert_clean(X_PORT)  # the decode holds nothing: no pending pull, no leaked state
     p1.close(timeout_s=10)
