@@ -7,6 +7,10 @@
   values untouched.
 * pinned namespace: P and Q name the same namespace; Q runs another block size. The manifest P
   stored at start-up makes Q refuse to start with one message naming block_size with both values.
+* evicted manifest: M1 (model revision 1) fills a pinned namespace, its manifest is evicted, and
+  M2 (revision 2, the same architecture: the same bytes per block) starts on it, writing its own
+  manifest. Before values carried the layout tag, M2 loaded M1's KV for every prompt. Now each of
+  those loads fails its check: zero hits, M2's own tokens.
 """
 
 from __future__ import annotations
@@ -41,22 +45,27 @@ def _blocks(spill: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory, request):
-    from kv_common.testing import EngineProcess
+    from kv_common.testing import EngineProcess, cached_tiny_model
 
     tmp = tmp_path_factory.mktemp("manifest")
-    spill, pinned = tmp / "spill", tmp / "pinned"
+    spill, pinned, revs = tmp / "spill", tmp / "pinned", tmp / "revisions"
     spill.mkdir()
     pinned.mkdir()
+    revs.mkdir()
+    model2 = cached_tiny_model(seed=4321)  # another revision: the same architecture, other weights
     started = {
         "a": EngineProcess(tiny_model, name="a", kv_transfer_config=embedded(spill),
                            extra_llm_kwargs=NO_PREFIX_CACHE, **ENGINE).start(wait=False),
         "p": EngineProcess(tiny_model, name="p", kv_transfer_config=embedded(pinned, namespace="team-shared"),
                            **ENGINE).start(wait=False),
+        "m1": EngineProcess(tiny_model, name="m1", kv_transfer_config=embedded(revs, namespace="served-model"),
+                            extra_llm_kwargs=NO_PREFIX_CACHE, **ENGINE).start(wait=False),
+        "ref2": EngineProcess(model2, name="ref2", extra_llm_kwargs=NO_PREFIX_CACHE, **ENGINE).start(wait=False),
     }
     try:
         baseline = request.getfixturevalue("baseline_tokens")  # runs while A and P boot
-        yield {"started": started, "spill": spill, "pinned": pinned, "baseline": baseline,
-               "prompts": request.getfixturevalue("prompts"), "model": tiny_model}
+        yield {"started": started, "spill": spill, "pinned": pinned, "revs": revs, "baseline": baseline,
+               "prompts": request.getfixturevalue("prompts"), "model": tiny_model, "model2": model2}
     finally:
         for engine in started.values():
             engine.close()
@@ -104,3 +113,32 @@ def test_pinned_namespace_with_another_block_size_refuses_to_start(engines):
     print(f"\n[manifest] Q refused in {time.perf_counter() - t0:.1f} s: {line[-700:]}")
     assert "store namespace 'team-shared' (pinned)" in text, text[-3000:]
     assert f"block_size: stored '{BLOCK}', this engine '{BLOCK // 2}'" in text, text[-3000:]
+
+
+def test_evicted_manifest_a_new_model_revision_never_loads_the_old_kv(engines):
+    from kv_common.testing import EngineProcess, assert_same_tokens
+
+    prompts, revs = engines["prompts"], engines["revs"]
+    m1, ref2 = engines["started"]["m1"], engines["started"]["ref2"]
+    m1.wait_ready()
+    assert_same_tokens(m1.generate(prompts), engines["baseline"])
+    deadline = time.monotonic() + 60
+    while len(_blocks(revs)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(_blocks(revs)) == 6, sorted(_files(revs))
+    manifests = [n for n, data in _files(revs).items() if MANIFEST_MAGIC in data[:64]]
+    assert len(manifests) == 1, manifests
+    (revs / manifests[0]).unlink()  # evicted; M1's blocks stay
+    m2 = EngineProcess(engines["model2"], name="m2", extra_llm_kwargs=NO_PREFIX_CACHE,
+                       kv_transfer_config=embedded(revs, namespace="served-model"), **ENGINE)
+    engines["started"]["m2"] = m2
+    m2.start()  # its manifest check passes: the namespace has no manifest now
+    assert [n for n, data in _files(revs).items() if MANIFEST_MAGIC in data[:64]]  # M2's own
+    want = ref2.generate(prompts)
+    got = m2.generate(prompts)
+    assert_same_tokens(got, want)  # revision 2's tokens, not decoded from revision 1's KV
+    # Every lookup hit M1's blocks (vLLM 0.32 keeps that count in num_cached_tokens even when the
+    # load then fails and is recomputed), and every one of those loads failed the layout check.
+    hits = sum(1 for n in got.num_cached_tokens if n)
+    refused = [w for w in got.log_warnings if "another layout" in w and "reported for recompute" in w]
+    assert hits and len(refused) >= hits, (got.num_cached_tokens, got.log_warnings)

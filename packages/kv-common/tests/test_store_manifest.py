@@ -150,6 +150,42 @@ def test_two_layouts_sharing_one_namespace_the_second_refuses_at_start(tmp_path)
     b.close(5)
 
 
+def test_evicted_manifest_another_layout_still_never_loads_the_old_blocks(tmp_path):
+    """The manifest is evicted (Mooncake and the embedded LRU evict it like any value) while A's
+    blocks stay; B, another arrangement of the same bytes per block, then stores its own manifest
+    and passes its start-up check. B must still never load A's block: every value carries A's
+    layout tag (the connector sets it from the manifest), so B's load fails its check and is
+    recomputed."""
+    backend = EmbeddedBackend(16 << 20, spill_dir=tmp_path, write_through=True)
+    a, a_caches = _worker(backend, (4, 16, 64))
+    a_manifest = _worker_manifest(a, a_caches, 16)
+    a.layout_tag = mf.layout_tag(a_manifest)  # as StoreConnectorBase.check_manifest does
+    assert mf.publish_and_check(backend, KEY, a_manifest, a.value_size, where="ns", settle_s=0) == "written"
+    h, h2 = [b"\x07" * 32], [b"\x08" * 32]
+    a.submit_saves(StorePlan(saves=[BlockTransfer(request_id="r", block_hashes=h + h2, block_ids=[[1, 4]])]))
+    a.close(5)
+    backend.batch_remove([KEY])  # evicted
+    assert not backend.batch_exists([KEY])[0]
+
+    b, b_caches = _worker(EmbeddedBackend(16 << 20, spill_dir=tmp_path, write_through=True), (8, 8, 64))
+    b_manifest = _worker_manifest(b, b_caches, 8)
+    b.layout_tag = mf.layout_tag(b_manifest)
+    assert b.layout_tag != a.layout_tag
+    assert mf.publish_and_check(b.backend, KEY, b_manifest, b.value_size, where="ns", settle_s=0) == "written"
+    b.load_sync(StorePlan(loads=[BlockTransfer(request_id="r2", block_hashes=h, block_ids=[[2]])]))
+    assert b.ledger.take_block_ids_with_load_errors() == {2}  # a miss, recomputed (and A's value removed)
+    b.close(5)
+
+    # The same layout (a restart of A, a second instance) reads A's block: the tag is stable.
+    a2, a2_caches = _worker(EmbeddedBackend(16 << 20, spill_dir=tmp_path, write_through=True), (4, 16, 64))
+    a2.layout_tag = mf.layout_tag(_worker_manifest(a2, a2_caches, 16))
+    assert a2.layout_tag == a.layout_tag
+    a2.load_sync(StorePlan(loads=[BlockTransfer(request_id="r3", block_hashes=h2, block_ids=[[3]])]))
+    assert not a2.ledger.take_block_ids_with_load_errors()
+    assert torch.equal(a2_caches["l0"][3], a_caches["l0"][4])
+    a2.close(5)
+
+
 def test_same_layout_matches_and_keeps_the_first_manifest(tmp_path):
     one = EmbeddedBackend(1 << 20, spill_dir=tmp_path, write_through=True)
     two = EmbeddedBackend(1 << 20, spill_dir=tmp_path, write_through=True)

@@ -117,7 +117,7 @@ def test_parts_without_checksum_and_trailer_checks():
     assert codec.check_parts(payload, trailer, 7 + codec.TRAILER_SIZE) is None
     assert "size" in codec.check_parts(payload, trailer, 7)
     payload[1][0] ^= 1
-    assert codec.check_parts(payload, trailer, 7 + codec.TRAILER_SIZE) == "checksum mismatch"
+    assert codec.check_parts(payload, trailer, 7 + codec.TRAILER_SIZE).startswith("checksum mismatch")
     codec.seal_parts(payload, trailer, False)
     assert codec.check_parts(payload, trailer, 7 + codec.TRAILER_SIZE) is None
 

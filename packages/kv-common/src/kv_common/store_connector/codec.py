@@ -9,8 +9,15 @@ silently wrong KV. Kinds of check (the magic says which one a value carries):
 - ``KVSM``: keyed BLAKE2b (64-bit tag) with a deployment secret, for a store shared between users
   who must not be able to plant KV: with a key configured only ``KVSM`` values with a valid tag are
   accepted (a value without a tag is refused too). About 0.3-1 GB/s: it costs real time.
-- ``KVS0``: no check (``checksum=False``); the length check stays.
-- ``KVS1``: zlib crc32 (written by earlier versions); still verified when read.
+- ``KVSL``: no check (``checksum=False``); the length and the layout tag (below) stay.
+- ``KVS0`` (no check) and ``KVS1`` (zlib crc32): written by earlier versions; read only by a
+  reader without a layout tag (tag 0), since they cannot prove which layout wrote them.
+
+The layout tag: a 64-bit digest of every setting that changes a block's bytes (the namespace
+manifest's settings, ``manifest.layout_tag``). It seeds the xxh3, personalises the MAC and is
+stored as is in a ``KVSL`` trailer, so a value written by an engine of another layout fails its
+check even when the sizes agree and the namespace manifest was evicted or never reachable: a miss
+(recomputed), never another layout's KV. It costs nothing: the seed is part of the same hash pass.
 
 A value may live in several buffers ("parts": one slice per KV layer, then the trailer), so a
 backend can move it without a gather/scatter copy: ``seal_parts`` / ``check_parts``.
@@ -38,8 +45,10 @@ assert _LEGACY.size == TRAILER_SIZE
 MAGIC_XXH3 = b"KVS3"
 MAGIC_MAC = b"KVSM"
 MAGIC_NONE = b"KVS0"
+MAGIC_TAG_ONLY = b"KVSL"
 MAGIC_CRC32 = b"KVS1"
 MAX_PAYLOAD = (1 << 32) - 1
+VALUE_FORMAT = "layout-tagged"  # in the namespace manifest: untagged writers are another format
 MIN_KEY_BYTES = 16
 MAC_BYTES = 8
 # Bytes moved per pass when a copy and the check touch the same values: the second reads what the
@@ -53,15 +62,18 @@ def blocks_per_pass(value_size: int, limit: int) -> int:
     return max(1, min(limit, CACHE_PASS_BYTES // max(1, value_size)))
 
 
-def _digest(parts: Sequence[memoryview], key: bytes | None) -> int:
+MAX_TAG = (1 << 64) - 1
+
+
+def _digest(parts: Sequence[memoryview], key: bytes | None, tag: int) -> int:
     if key is not None:
-        mac = hashlib.blake2b(digest_size=MAC_BYTES, key=key)
+        mac = hashlib.blake2b(digest_size=MAC_BYTES, key=key, person=tag.to_bytes(8, "little"))
         for part in parts:
             mac.update(part)
         return int.from_bytes(mac.digest(), "little")
     if len(parts) == 1:
-        return xxhash.xxh3_64_intdigest(parts[0])
-    h = xxhash.xxh3_64()
+        return xxhash.xxh3_64_intdigest(parts[0], seed=tag)
+    h = xxhash.xxh3_64(seed=tag)
     for part in parts:
         h.update(part)
     return h.intdigest()
@@ -75,23 +87,25 @@ def _crc32_parts(parts: Sequence[memoryview]) -> int:
 
 
 def _seal(trailer: memoryview, offset: int, parts: Sequence[memoryview], payload_size: int,
-          checksum: bool, key: bytes | None) -> None:
+          checksum: bool, key: bytes | None, tag: int) -> None:
     if payload_size > MAX_PAYLOAD:
         raise ValueError(f"a value payload of {payload_size} bytes exceeds the trailer's {MAX_PAYLOAD}")
+    if not 0 <= tag <= MAX_TAG:
+        raise ValueError(f"layout tag {tag} is not a 64-bit unsigned integer")
     if key is not None:
-        _TRAILER.pack_into(trailer, offset, MAGIC_MAC, _digest(parts, key), payload_size)
+        _TRAILER.pack_into(trailer, offset, MAGIC_MAC, _digest(parts, key, tag), payload_size)
     elif checksum:
-        _TRAILER.pack_into(trailer, offset, MAGIC_XXH3, _digest(parts, None), payload_size)
+        _TRAILER.pack_into(trailer, offset, MAGIC_XXH3, _digest(parts, None, tag), payload_size)
     else:
-        _LEGACY.pack_into(trailer, offset, MAGIC_NONE, 0, payload_size)
+        _TRAILER.pack_into(trailer, offset, MAGIC_TAG_ONLY, tag, payload_size)
 
 
 def _check(trailer: memoryview, offset: int, parts: Sequence[memoryview], payload_size: int,
-           nbytes: int, key: bytes | None) -> str | None:
+           nbytes: int, key: bytes | None, tag: int) -> str | None:
     if nbytes != payload_size + TRAILER_SIZE:
         return f"size {nbytes} != expected {payload_size + TRAILER_SIZE}"
     (magic,) = _MAGIC.unpack_from(trailer, offset)
-    if magic in (MAGIC_XXH3, MAGIC_MAC):
+    if magic in (MAGIC_XXH3, MAGIC_MAC, MAGIC_TAG_ONLY):
         _, check, length = _TRAILER.unpack_from(trailer, offset)
     elif magic in (MAGIC_NONE, MAGIC_CRC32):
         _, check, length = _LEGACY.unpack_from(trailer, offset)
@@ -102,36 +116,44 @@ def _check(trailer: memoryview, offset: int, parts: Sequence[memoryview], payloa
     if key is not None:  # a shared store: only values sealed with our key are KV we trust
         if magic != MAGIC_MAC:
             return f"no MAC (magic {magic!r}) while a MAC key is configured"
-        return None if _digest(parts, key) == check else "MAC mismatch"
+        return None if _digest(parts, key, tag) == check else "MAC mismatch (tampered, or another layout)"
     if magic == MAGIC_MAC:
         return "MAC-sealed value but no MAC key configured"
     if magic == MAGIC_XXH3:
-        return None if _digest(parts, None) == check else "checksum mismatch"
+        return None if _digest(parts, None, tag) == check else "checksum mismatch (corrupt, or another layout)"
+    if magic == MAGIC_TAG_ONLY:
+        return None if check == tag else "layout tag mismatch (written by an engine of another layout)"
+    if tag:  # an earlier version's value: nothing in it says which layout wrote it
+        return f"untagged value (magic {magic!r}, an earlier version's format) while a layout tag is set"
     if magic == MAGIC_CRC32:
-        return None if _crc32_parts(parts) == check else "checksum mismatch"
+        return None if _crc32_parts(parts) == check else "checksum mismatch (corrupt, or another layout)"
     return None  # MAGIC_NONE
 
 
-def write_trailer(value: memoryview, payload_size: int, checksum: bool, key: bytes | None = None) -> None:
+def write_trailer(value: memoryview, payload_size: int, checksum: bool, key: bytes | None = None,
+                  tag: int = 0) -> None:
     """``value`` is payload_size + TRAILER_SIZE bytes; fills in the trailer."""
-    _seal(value, payload_size, [value[:payload_size]], payload_size, checksum, key)
+    _seal(value, payload_size, [value[:payload_size]], payload_size, checksum, key, tag)
 
 
-def check_value(value: memoryview, payload_size: int, nbytes: int, key: bytes | None = None) -> str | None:
-    """None when ``value`` (``nbytes`` read) is intact; otherwise why not."""
+def check_value(value: memoryview, payload_size: int, nbytes: int, key: bytes | None = None,
+                tag: int = 0) -> str | None:
+    """None when ``value`` (``nbytes`` read) is intact and of layout ``tag``; otherwise why not."""
     if nbytes != payload_size + TRAILER_SIZE:
         return f"size {nbytes} != expected {payload_size + TRAILER_SIZE}"
-    return _check(value, payload_size, [value[:payload_size]], payload_size, nbytes, key)
+    return _check(value, payload_size, [value[:payload_size]], payload_size, nbytes, key, tag)
 
 
-def seal_parts(parts: Sequence[memoryview], trailer: memoryview, checksum: bool, key: bytes | None = None) -> None:
+def seal_parts(parts: Sequence[memoryview], trailer: memoryview, checksum: bool, key: bytes | None = None,
+               tag: int = 0) -> None:
     """``parts`` hold the payload in order; fills the 16-byte ``trailer`` (as ``write_trailer``)."""
-    _seal(trailer, 0, parts, sum(len(p) for p in parts), checksum, key)
+    _seal(trailer, 0, parts, sum(len(p) for p in parts), checksum, key, tag)
 
 
-def check_parts(parts: Sequence[memoryview], trailer: memoryview, nbytes: int, key: bytes | None = None) -> str | None:
+def check_parts(parts: Sequence[memoryview], trailer: memoryview, nbytes: int, key: bytes | None = None,
+                tag: int = 0) -> str | None:
     """``check_value`` for a value read into ``parts`` + ``trailer`` (``nbytes`` read in all)."""
-    return _check(trailer, 0, parts, sum(len(p) for p in parts), nbytes, key)
+    return _check(trailer, 0, parts, sum(len(p) for p in parts), nbytes, key, tag)
 
 
 def mac_key_from_env(variable: str | None, environ: dict[str, str] | None = None) -> bytes | None:

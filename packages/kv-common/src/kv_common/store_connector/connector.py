@@ -103,6 +103,8 @@ def manifest_settings(fingerprint: dict[str, Any], *, rank_tag: str, value_size:
     settings["value_size"] = value_size
     settings["value_trailer"] = f"{codec.TRAILER_SIZE} bytes"
     settings["store_format"] = manifest_mod.FORMAT_VERSION
+    # Values sealed with the layout tag (codec): an engine of the untagged format shares nothing.
+    settings["value_format"] = codec.VALUE_FORMAT
     import socket
 
     settings["writer"] = f"{socket.gethostname()} pid {os.getpid()}"
@@ -234,9 +236,10 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
                                      layout=layout)
         where = (f"{self.connector_name}: store namespace {self.namespace!r} "
                  f"({'pinned' if self.store_config.namespace else 'derived'}), rank tag {worker.rank_tag!r},")
+        mine = manifest_mod.make_manifest(settings)
+        worker.layout_tag = manifest_mod.layout_tag(mine)  # before any value is sealed or checked
         self.manifest_outcome = manifest_mod.check_with_deadline(
-            self.backend, keys_mod.manifest_key(self.namespace, worker.rank_tag),
-            manifest_mod.make_manifest(settings), worker.value_size, where=where,
+            self.backend, keys_mod.manifest_key(self.namespace, worker.rank_tag), mine, worker.value_size, where=where,
             timeout_s=self.store_config.manifest_timeout_s,
         )
         logger.info("%s namespace manifest %s", where, self.manifest_outcome)

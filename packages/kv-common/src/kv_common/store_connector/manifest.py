@@ -23,7 +23,13 @@ every worker compares it with its own at start-up, through the generic ``Backend
   one (corrupt, oversized, another size than this engine's values) is a mismatch too: the
   namespace holds something this engine cannot prove compatible;
 - a backend that cannot answer (error, or no answer within the deadline) does not block start-up:
-  the check is skipped with one warning, and blocks stay protected by their length and checksum.
+  the check is skipped with one warning.
+
+The manifest names the mismatch at start-up; it is not what keeps another layout's KV out. A
+manifest can be evicted (Mooncake, the embedded LRU), or unreachable at start-up, and a second
+layout then writes its own. So every value also carries the layout tag (``layout_tag``, a digest
+of these same settings) in its checksum seed, and a value of another layout fails its check: a
+miss, recomputed, never loaded.
 """
 
 from __future__ import annotations
@@ -118,6 +124,15 @@ def decode(raw: bytes | bytearray | memoryview) -> Manifest:
     if manifest.format != version or len(manifest.settings) > MAX_SETTINGS:
         raise ManifestError("manifest body inconsistent with its header")
     return manifest
+
+
+def layout_tag(manifest: Manifest) -> int:
+    """64-bit digest of the settings that change a block's bytes (not the informational ones):
+    sealed into every value the worker stores and checked on every load (``codec``), so the
+    layout is proven per block, not only by the manifest at start-up. Never 0 (0 means untagged)."""
+    settings = {k: v for k, v in manifest.settings.items() if k not in INFORMATIONAL}
+    digest = hashlib.sha256(msgspec.json.encode(dict(sorted(settings.items())))).digest()
+    return int.from_bytes(digest[:8], "little") or 1
 
 
 def differences(stored: Manifest, mine: Manifest) -> list[tuple[str, str, str]]:

@@ -159,6 +159,9 @@ class StoreWorker:
         self.stats = stats if stats is not None else StoreStats()
         self.ledger = ledger if ledger is not None else FailureLedger()
         self._mac_key = codec.mac_key_from_env(config.mac_key_env)  # fails at start-up when missing
+        # 64-bit digest of this worker's layout (``manifest.layout_tag``), set by the connector
+        # before the first step: sealed into every value and checked on every load (``codec``).
+        self.layout_tag = 0
         self._layers: list[_Layer] = []
         self._host_kv_override = host_kv
         self.host_kv = True
@@ -386,7 +389,7 @@ class StoreWorker:
                 self._gather(staging, sub, 0, n)
             values = staging.values(n)
             for value in values:
-                codec.write_trailer(value, self.payload_size, self.config.checksum, self._mac_key)
+                codec.write_trailer(value, self.payload_size, self.config.checksum, self._mac_key, self.layout_tag)
             t0 = time.perf_counter()
             try:
                 ok = self.backend.batch_put([keys[i] for i in idx], values)
@@ -419,7 +422,7 @@ class StoreWorker:
                     return
                 for slot, i in enumerate(idx):
                     parts = self._block_parts(transfer, i, trailers, slot)
-                    codec.seal_parts(parts[:-1], parts[-1], self.config.checksum, self._mac_key)
+                    codec.seal_parts(parts[:-1], parts[-1], self.config.checksum, self._mac_key, self.layout_tag)
                     values.append(parts)
             t0 = time.perf_counter()
             try:
@@ -482,7 +485,8 @@ class StoreWorker:
 
             good, why, seconds = _fetch_checked(
                 n, codec.blocks_per_pass(self.value_size, n), get,
-                lambda i, nbytes, values=values: codec.check_value(values[i], self.payload_size, nbytes, self._mac_key),  # type: ignore[misc]
+                lambda i, nbytes, values=values: codec.check_value(  # type: ignore[misc]
+                    values[i], self.payload_size, nbytes, self._mac_key, self.layout_tag),
             )
             out.append(_Fetched(transfer, good, row, why, seconds))
             row += n
@@ -593,7 +597,7 @@ class StoreWorker:
 
         good, why, seconds = _fetch_checked(
             n, codec.blocks_per_pass(self.value_size, n), get,
-            lambda i, nbytes: codec.check_parts(values[i][:-1], values[i][-1], nbytes, self._mac_key),
+            lambda i, nbytes: codec.check_parts(values[i][:-1], values[i][-1], nbytes, self._mac_key, self.layout_tag),
         )
         self._record_get(transfer, good, why, seconds)
         return good
