@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kv_common.backend import Backend
+from kv_common.file_lru import evict_oldest
 from kv_common.logging_utils import get_logger
 
 try:  # ISA-L's crc32: the same values as zlib's (files stay compatible), several times faster
@@ -346,17 +347,12 @@ class EmbeddedBackend(Backend):
         cap = self.spill_capacity_bytes
         assert cap is not None
         target = cap - cap // 10 if cap >= SPILL_SLACK_MIN_CAP else cap
-        files = sorted(self._spill_files())
+        files = self._spill_files()
         total = sum(size for _, size, _ in files)
         if total <= cap:
             self._spill_bytes = total
             return
-        for _, size, path in files:
-            if total <= target:
-                break
-            if path.name == keep:
-                continue
-            path.unlink(missing_ok=True)
-            total -= size
-            self._counts["spill_evictions"] += 1
-        self._spill_bytes = total
+        done = evict_oldest(files, target, keep=lambda path: os.path.basename(path) == keep,
+                            what="embedded spill")
+        self._counts["spill_evictions"] += done.removed
+        self._spill_bytes = done.bytes_left

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kv_common.embedded_backend import default_spill_capacity
+from kv_common.file_lru import evict_oldest
 from kv_common.logging_utils import get_logger
 
 logger = get_logger(__name__)
@@ -112,23 +113,10 @@ class PosixDiskCap:
         files = self._files()
         total = sum(size for _, size, _ in files)
         if total > self.capacity_bytes:
-            target = int(self.capacity_bytes * self.low_water)
-            files.sort()
-            removed = 0
-            for _, size, path in files:
-                if total <= target:
-                    break
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:  # another instance evicted it first
-                    pass
-                except OSError as exc:
-                    logger.warning("UCM disk cap: cannot remove %s: %s", path, exc)
-                    continue
-                total -= size
-                removed += 1
-            self.evictions += removed
-            logger.debug("UCM disk cap: removed %d block file(s), %d bytes left", removed, total)
+            done = evict_oldest(files, int(self.capacity_bytes * self.low_water), what="UCM disk cap")
+            self.evictions += done.removed
+            total = done.bytes_left
+            logger.debug("UCM disk cap: removed %d block file(s), %d bytes left", done.removed, total)
         self._bytes = total
 
     def wrote(self, nbytes: int) -> None:
