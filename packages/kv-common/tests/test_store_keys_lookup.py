@@ -1,4 +1,4 @@
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_common.store_connector import keys, lookup
 
@@ -27,6 +27,7 @@ def test_mla_with_context_parallel_keeps_one_copy_per_token_shard():
     assert len(keys.all_rank_tags(tp_size=2, pcp_size=2, dcp_size=2, use_mla=True)) == 4
 
 
+@settings(deadline=None)
 @given(st.integers(1, 16), st.sampled_from([1, 2, 4, 8, 16, 32]), st.sampled_from([1, 2, 4]),
        st.integers(1, 2), st.booleans())
 def test_exactly_one_writer_per_tag(tp_size, heads, dcp, pcp, use_mla):
@@ -46,12 +47,14 @@ def test_exactly_one_writer_per_tag(tp_size, heads, dcp, pcp, use_mla):
     assert all(len(w) == 1 for w in writers.values())  # ... and only one
 
 
+@settings(deadline=None)
 @given(st.integers(1, 64), st.integers(1, 16))
 def test_head_groups_share_replicated_heads(tp_size, heads):
     tags = [keys.rank_tag(tp_rank=r, tp_size=tp_size, total_kv_heads=heads) for r in range(tp_size)]
     assert len(set(tags)) == min(tp_size, heads) or tp_size % heads != 0
 
 
+@settings(deadline=None)
 @given(st.lists(st.lists(st.booleans(), min_size=5, max_size=5), min_size=1, max_size=4))
 def test_leading_present_is_the_common_prefix(present):
     n = lookup.leading_present(present)
@@ -59,6 +62,7 @@ def test_leading_present_is_the_common_prefix(present):
     assert n == 5 or not all(row[n] for row in present)
 
 
+@settings(deadline=None)
 @given(st.integers(0, 5000), st.integers(0, 400), st.sampled_from([16, 32, 128]))
 def test_loadable_blocks_leave_a_token_and_skip_partial(num_tokens, num_hashes, block_size):
     n = lookup.loadable_blocks(num_tokens, num_hashes, block_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -63,6 +64,9 @@ def new_req_output(req, block_ids, computed, scheduled):
 
 
 def make_scheduler(backend, **cfg):
+    # A hit must not turn into a miss because the lookup thread was descheduled on a loaded
+    # machine: tests that time lookups out pass lookup_timeout_s themselves.
+    cfg.setdefault("lookup_timeout_s", 10.0)
     return StoreScheduler(
         backend=backend, namespace="ns", rank_tags=["r0"], block_size=BS,
         config=StoreConnectorConfig(**cfg), load_enabled=True, save_enabled=True,
@@ -171,8 +175,17 @@ def test_truncated_value_is_detected():
 
 
 class SlowBackend(Backend):
+    """Answers every lookup "present" after ``delay_s`` (or at once after ``release()``)."""
+
+    def __init__(self, delay_s: float = 0.5) -> None:
+        self.delay_s = delay_s
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
     def batch_exists(self, keys):
-        time.sleep(0.5)
+        self._released.wait(self.delay_s)
         return [True] * len(keys)
 
     def batch_put(self, keys, values):
@@ -183,16 +196,26 @@ class SlowBackend(Backend):
 
 
 def test_lookup_deadline_sync_counts_as_miss_and_async_asks_again():
-    sched = make_scheduler(SlowBackend(), lookup_timeout_s=0.05)
+    # The backend takes 5 s: a sync lookup back well before that was cut short by its deadline.
+    slow = SlowBackend(delay_s=5.0)
+    sched = make_scheduler(slow, lookup_timeout_s=0.05)
     req = FakeRequest("a", list(range(18)))
     t0 = time.monotonic()
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert time.monotonic() - t0 < 0.4
-    sched2 = make_scheduler(SlowBackend(), lookup_mode="async", lookup_timeout_s=5)
+    assert time.monotonic() - t0 < 2
+    slow.release()  # do not keep the lookup thread (and interpreter exit) waiting
+    sched.close()
+    sched2 = make_scheduler(SlowBackend(), lookup_mode="async", lookup_timeout_s=30)
     req2 = FakeRequest("b", list(range(18)))
     assert sched2.get_num_new_matched_tokens(req2, 0) == (None, False)
-    time.sleep(0.6)
-    assert sched2.get_num_new_matched_tokens(req2, 0) == (16, False)
+    # "ask again" until the lookup thread has answered (0.5 s, longer on a loaded machine)
+    deadline = time.monotonic() + 10
+    answer = sched2.get_num_new_matched_tokens(req2, 0)
+    while answer == (None, False) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        answer = sched2.get_num_new_matched_tokens(req2, 0)
+    assert answer == (16, False)
+    sched2.close()
 
 
 class BrokenBackend(SlowBackend):

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -106,6 +107,14 @@ def timed(fn: Callable[[], object], limit_s: float) -> float:
     return took
 
 
+def wait_until(condition: Callable[[], bool], limit_s: float = 10.0) -> None:
+    """Poll ``condition`` (a thread of the code under test reaching a point) until it holds."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached within {limit_s:.0f}s"
+        time.sleep(0.005)
+
+
 def make_worker(backend, num_blocks=16, **cfg):
     torch.manual_seed(0)
     caches = {f"layer{i}": torch.randn(num_blocks, 2, BS, 8) for i in range(2)}
@@ -146,23 +155,36 @@ def test_lookup_breaker_stops_waiting_on_a_hung_backend():
     backend.hold("exists")
     requests = [FakeRequest(f"r{i}", list(range(i, i + 18))) for i in range(10)]
     answers = []
-    took = timed(lambda: answers.extend(sched.get_num_new_matched_tokens(r, 0) for r in requests), 10.0)
+    took = timed(lambda: answers.extend(sched.get_num_new_matched_tokens(r, 0) for r in requests), 20.0)
     assert answers == [(0, False)] * 10
-    # 3 lookups wait 0.2 s each, the 7 after them none: well under the 2 s of 10 timeouts.
-    assert took < 1.5, took
+    # 3 lookups wait 0.2 s each, the 7 after them none (the counters below prove it; the time
+    # only shows that no lookup waited for the hung call).
+    assert took < 10, took
     counters = sched.stats.reduce()
     assert counters.get("lookup_timeouts") == 3, counters
     assert counters.get("lookup_breaker_opened") == 1, counters
     assert counters.get("lookup_breaker_skips") == 7, counters
+    # The first lookup hangs in the backend, the 2 queued behind it were cancelled. (On a loaded
+    # machine the lookup thread may not even have started the first before its deadline: then
+    # all 3 were cancelled and none reached the backend.)
+    futures = [sched._lookups[r.request_id].future for r in requests[:3]]
+    started = sum(not f.cancelled() for f in futures)
+    assert started <= 1, started
     for r in requests:
         sched.update_state_after_alloc(r, FakeBlocks([]), 0)
     # The backend recovers; once the back-off is over a probe goes through and closes the breaker.
     backend.release("exists")
+    sched._executor.submit(lambda: None).result(5)  # the released call is over
+    assert backend.entered["exists"] == started  # no cancelled lookup reached the backend
     offset[0] += StoreConnectorConfig().lookup_backoff_s + 1
+    # A generous deadline for the probe: it proves the breaker lets it through, not its speed.
+    sched.config = msgspec.structs.replace(sched.config, lookup_timeout_s=10.0)
     probe = FakeRequest("probe", list(range(100, 118)))
     assert sched.get_num_new_matched_tokens(probe, 0) == (0, False)
-    assert backend.entered["exists"] == 2  # the hung call (the 2 queued behind it were cancelled), the probe
-    assert sched.stats.reduce().get("lookup_breaker_skips") == 7
+    assert backend.entered["exists"] == started + 1  # the probe
+    counters = sched.stats.reduce()
+    assert counters.get("lookup_breaker_skips") == 7, counters
+    assert counters.get("lookup_timeouts") == 3, counters  # the probe was answered
     sched.update_state_after_alloc(probe, FakeBlocks([]), 0)
     assert sched.leak_report()["pending_loads"] == 0
     sched.close()
@@ -170,15 +192,18 @@ def test_lookup_breaker_stops_waiting_on_a_hung_backend():
 
 def test_async_lookups_pending_on_a_hung_backend_end_when_the_breaker_opens():
     backend = BlockingBackend(16 << 20)
+    # Async lookups never wait, so a clock the test moves replaces wall time: a descheduled test
+    # thread cannot push a lookup past its deadline before the first answer.
+    now = [0.0]
     sched = StoreScheduler(
         backend=backend, namespace="ns", rank_tags=["r0"], block_size=BS,
         config=StoreConnectorConfig(lookup_mode="async", lookup_timeout_s=0.1, lookup_breaker_threshold=2),
-        load_enabled=True, save_enabled=True,
+        load_enabled=True, save_enabled=True, clock=lambda: now[0],
     )
     backend.hold("exists")
     reqs = [FakeRequest(f"a{i}", list(range(i, i + 18))) for i in range(4)]
     assert [sched.get_num_new_matched_tokens(r, 0) for r in reqs] == [(None, False)] * 4
-    time.sleep(0.15)
+    now[0] += 0.15
     # all four are past their deadline: two time out (opening the breaker), the rest are misses now
     assert [sched.get_num_new_matched_tokens(r, 0) for r in reqs] == [(0, False)] * 4
     assert sched.stats.reduce().get("lookup_breaker_opened") == 1
@@ -193,24 +218,27 @@ def test_hung_load_becomes_a_load_error_within_its_deadline(backend):
     before = {name: c[9:13].clone() for name, c in caches.items()}
     backend.hold("get")
     plan = StorePlan(loads=[transfer("x", HASHES, [9, 10, 11, 12])])
-    took = timed(lambda: worker.load_sync(plan), 5.0)
-    assert 0.25 <= took < 2.0, took
+    took = timed(lambda: worker.load_sync(plan), 15.0)
+    assert 0.25 <= took < 10, took  # the deadline, not the 30 s hang
     assert worker.ledger.take_block_ids_with_load_errors() == {9, 10, 11, 12}
-    # While the late fetch still hangs, the next load fails at once instead of queueing behind it.
-    took = timed(lambda: worker.load_sync(StorePlan(loads=[transfer("y", HASHES[:2], [13, 14])])), 5.0)
-    assert took < 0.2, took
+    # While the late fetch still hangs, the next load fails at once instead of queueing behind it
+    # (skipped, not timed out: the counters below).
+    timed(lambda: worker.load_sync(StorePlan(loads=[transfer("y", HASHES[:2], [13, 14])])), 15.0)
     assert worker.ledger.take_block_ids_with_load_errors() == {13, 14}
     counters = worker.stats.reduce()
     assert counters["load_timeouts"] == 1 and counters["loads_skipped_backend_stalled"] == 1, counters
     # The late fetch returns: nothing of it lands in the KV cache vLLM recomputes, nor in the ledger.
     backend.release("get")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while worker._loader_busy() and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert not worker._loader_busy()
     for name, c in caches.items():
         assert torch.equal(c[9:13], before[name]), f"{name}: a late fetch wrote into the KV cache"
     assert worker.ledger.take_block_ids_with_load_errors() == set()
-    # The backend answers again: loads work again.
+    # The backend answers again: loads work again (a generous deadline: this load proves the
+    # backend answers, not its speed on a loaded machine).
+    worker.config = msgspec.structs.replace(worker.config, load_timeout_s=10.0)
     worker.load_sync(StorePlan(loads=[transfer("z", HASHES, [9, 10, 11, 12])]))
     assert worker.ledger.take_block_ids_with_load_errors() == set()
     for c in caches.values():
@@ -223,31 +251,36 @@ def test_hung_load_becomes_a_load_error_within_its_deadline(backend):
 def test_hung_save_releases_its_request_and_later_saves_are_skipped(backend):
     worker, caches = make_worker(backend, save_timeout_s=0.3)
     backend.hold("put")
+    t0 = time.monotonic()
     worker.submit_saves(StorePlan(saves=[transfer("s", HASHES[:2], [1, 2])]))
     worker.submit_saves(StorePlan(saves=[transfer("s", HASHES[2:], [3, 4])]))  # queued behind it
-    assert worker.get_finished({"s"}) == set()
-    done: set[str] = set()
+    wait_until(lambda: backend.entered["put"] >= 1)  # the first chunk hangs in the backend
+    done = worker.get_finished({"s"})
+    # not given up before its deadline (a descheduled test thread may only ask after it)
+    assert not done or time.monotonic() - t0 > 0.3, done
 
     def finish():
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 10
         while "s" not in done and time.monotonic() < deadline:
             done.update(worker.get_finished(set()))
             time.sleep(0.02)
 
-    took = timed(finish, 5.0)
+    took = timed(finish, 15.0)
     assert done == {"s"}, "a finished request waits for ever on a hung save: its blocks are never freed"
-    assert took < 2.0
-    # Preemption waits at most until the save deadline, too.
+    assert took < 10, took  # the save deadline, not the 30 s hang
+    # Preemption waits at most until the save deadline, too. "s" was given up save_timeout_s after
+    # it was submitted; the saver counts from when it started the save, which may be later.
+    wait_until(worker._saver_stalled)
     worker.submit_saves(StorePlan(saves=[transfer("p", [bytes([9]) * 32], [5])]))
     # (skipped: the saver has been stuck for longer than save_timeout_s)
     assert worker.stats.reduce().get("failures_save_skipped_backend_stalled") == 1
-    assert timed(lambda: worker.wait_for_request_saves(["p"]), 5.0) < 1.0
+    assert timed(lambda: worker.wait_for_request_saves(["p"]), 15.0) < 10
     # vLLM reuses the released blocks; when the backend comes back, the queued chunk of "s" must
     # not be gathered from them.
     for c in caches.values():
         c[1:5] = 0
     backend.release("put")
-    time.sleep(0.3)
+    worker._saver.submit(lambda: None).result(10)  # the saver has passed both chunks of "s"
     assert backend.batch_exists(worker._keys(HASHES[2:])) == [False, False]
     assert worker.get_finished({"p"}) == {"p"}  # vLLM finishes the preempted request later
     assert worker.leak_report()["held_requests"] == 0
@@ -271,12 +304,13 @@ def test_a_given_up_save_never_stores_another_requests_kv(checksum):
         original = {name: c[1:3].clone() for name, c in caches.items()}
         backend.hold("put")
         worker.submit_saves(StorePlan(saves=[transfer("s", HASHES[:2], [1, 2])]))
+        wait_until(lambda: backend.entered["put"] >= 1)  # the save is running, not still queued
         time.sleep(0.4)
         assert worker.get_finished({"s"}) == {"s"}  # given up: vLLM frees and reuses blocks 1-2
         for c in caches.values():
             c[1:3] = 7.0
         backend.release("put")
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 10
         while backend.batch_exists(worker._keys(HASHES[:2])) != [True, True] and time.monotonic() < deadline:
             time.sleep(0.02)
         worker.load_sync(StorePlan(loads=[transfer("l", HASHES[:2], [9, 10])]))
@@ -290,7 +324,8 @@ def test_a_given_up_save_never_stores_another_requests_kv(checksum):
 
 
 def test_saves_of_a_healthy_backend_are_not_given_up(backend):
-    worker, _ = make_worker(backend, save_timeout_s=0.3)
+    # A deadline (so saves can be given up) that a healthy save meets even on a loaded machine.
+    worker, _ = make_worker(backend, save_timeout_s=10)
     worker.submit_saves(StorePlan(saves=[transfer("s", HASHES, [1, 2, 3, 4])]))
     worker.wait_for_request_saves(["s"])
     assert worker.get_finished({"s"}) == {"s"}

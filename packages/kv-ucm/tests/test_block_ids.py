@@ -133,12 +133,13 @@ def test_batch_helper():
 
 
 try:
-    from hypothesis import given
+    from hypothesis import given, settings
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover
     pass
 else:
 
+    @settings(deadline=None)
     @given(st.one_of(st.binary(max_size=64), st.integers()), st.integers(1, 16), st.data())
     def test_property_size_and_mla_sharing(block_hash, tp_size, data):
         rank = data.draw(st.integers(0, tp_size - 1))
