@@ -32,9 +32,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
+from conftest import mooncake_leaks  # noqa: E402
 from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
-from kv_mooncake.worker import query_leaks  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -69,8 +69,9 @@ def test_prefill_holding_unpulled_blocks_still_preempts_and_finishes():
         held = eng.generate([held_prompt], [{"kv_transfer_params": {"do_remote_decode": True}}], max_tokens=1)
         assert held.kv_transfer_params[0], "A was not held for a remote decode"
         deadline = time.monotonic() + 20
-        while query_leaks(f"127.0.0.1:{PORT}", 5.0)["held_requests"] < 1 and time.monotonic() < deadline:
+        while mooncake_leaks(PORT)["held_requests"] < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert mooncake_leaks(PORT)["held_requests"] == 1, "A's hold was never registered"
         time.sleep(WINDOW_S + 0.5)  # A's hold is old now: its decode is late or dead
         t0 = time.monotonic()
         out = eng.generate(prompts, timeout_s=HOLD_S + 60)
@@ -79,4 +80,4 @@ def test_prefill_holding_unpulled_blocks_still_preempts_and_finishes():
         assert _preemptions(eng) >= 1, "no preemption: B and C never hit the has_pending_block_frees branch"
         assert took < WITHIN_S, f"scheduling stalled {took:.0f}s behind a hold nobody pulls"
         assert_same_tokens(out, reference)
-        assert query_leaks(f"127.0.0.1:{PORT}", 5.0)["held_requests"] == 1  # A is still held (by design)
+        assert mooncake_leaks(PORT)["held_requests"] == 1  # A is still held (by design)

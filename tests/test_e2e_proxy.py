@@ -36,11 +36,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from conftest import mooncake_leaks  # noqa: E402
 from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.mooncake_master import free_port  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
-from kv_mooncake.side_channel import SideChannelTimeout  # noqa: E402
-from kv_mooncake.worker import query_leaks  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -240,21 +239,11 @@ def chat(client: openai.OpenAI, model: str, text: str, stream: bool) -> tuple[li
     return None, tokens
 
 
-def _leaks(port: int, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return query_leaks(f"127.0.0.1:{port}", timeout_s=2.0)
-        except SideChannelTimeout:
-            if time.monotonic() > deadline:
-                raise
-
-
 def assert_nothing_held(*kv_ports: int, timeout_s: float = FREED_WITHIN_S) -> float:
     """Every prefill named holds no block within ``timeout_s``; returns how long that took."""
     t0 = time.monotonic()
     for port in kv_ports:
-        while (report := _leaks(port))["held_blocks"] or report["held_requests"] or report["active_reads"]:
+        while (report := mooncake_leaks(port))["held_blocks"] or report["held_requests"] or report["active_reads"]:
             assert time.monotonic() - t0 < timeout_s, (port, report)
             time.sleep(0.2)
     return time.monotonic() - t0

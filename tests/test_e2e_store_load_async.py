@@ -20,7 +20,7 @@ from conftest import BLOCK, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
-GET_LATENCY_S = 4.0
+GET_LATENCY_S = 10.0  # long enough that "did not wait for it" holds on a loaded machine
 LOAD_TIMEOUT_S = 1.0  # the "deadline" engine's: its loads are given up, vLLM recomputes
 MAX_TOKENS = 8
 ENGINE = dict(max_tokens=MAX_TOKENS, kv_cache_bytes=16 << 20, max_model_len=512, multiprocess=False)

@@ -140,5 +140,5 @@ def test_evicted_manifest_a_new_model_revision_never_loads_the_old_kv(engines):
     # Every lookup hit M1's blocks (vLLM 0.32 keeps that count in num_cached_tokens even when the
     # load then fails and is recomputed), and every one of those loads failed the layout check.
     hits = sum(1 for n in got.num_cached_tokens if n)
-    refused = [w for w in got.log_warnings if "another layout" in w and "reported for recompute" in w]
+    refused = [w for w in got.log_warnings if "checksum mismatch" in w and "reported for recompute" in w]
     assert hits and len(refused) >= hits, (got.num_cached_tokens, got.log_warnings)

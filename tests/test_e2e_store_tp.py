@@ -11,6 +11,7 @@ prefix cache off) and must give the tokens of a TP 1 engine without a connector.
 from __future__ import annotations
 
 import random
+import time
 
 from conftest import BLOCK, requires_vllm
 
@@ -47,6 +48,13 @@ def test_tp2_replicated_heads_one_writer_and_a_fresh_engine_loads(tmp_path):
         for batch in batches:  # 3 x 4 prompts of 3 blocks: 36 blocks, more than the 20 there are
             out = a.generate(batch, timeout_s=300)
             assert len(out.token_ids) == len(batch)
+        # A saves in the background after each output: wait for its 24 blocks (12 prompts x 2 full
+        # blocks) and the namespace manifest before B looks them up.
+        spill = tmp_path / "spill"
+        deadline = time.monotonic() + 60
+        while len(list(spill.glob("*.kvb"))) < 25 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(list(spill.glob("*.kvb"))) == 25, sorted(p.name for p in spill.iterdir())
         b.wait_ready()
         out = b.generate(flat, timeout_s=300)
         assert_same_tokens(out, reference)

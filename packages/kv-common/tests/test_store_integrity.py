@@ -120,7 +120,7 @@ def test_a_value_of_another_layout_fails_its_check_with_equal_sizes(how):
     codec.write_trailer(memoryview(value), len(PAYLOAD), how != "no checksum", key, tag=LAYOUT_A)
     assert check(value, key=key, tag=LAYOUT_A) is None
     why = check(value, key=key, tag=LAYOUT_B)
-    assert why is not None and "another layout" in why, why
+    assert why is not None and "mismatch" in why, why
     assert check(value, key=key) is not None  # an untagged reader does not take it either
 
 

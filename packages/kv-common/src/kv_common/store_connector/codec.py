@@ -18,6 +18,8 @@ manifest's settings, ``manifest.layout_tag``). It seeds the xxh3, personalises t
 stored as is in a ``KVSL`` trailer, so a value written by an engine of another layout fails its
 check even when the sizes agree and the namespace manifest was evicted or never reachable: a miss
 (recomputed), never another layout's KV. It costs nothing: the seed is part of the same hash pass.
+Such a value reads as a "checksum mismatch" ("MAC mismatch", "layout tag mismatch"): from the bytes
+alone, corruption and another layout look the same.
 
 A value may live in several buffers ("parts": one slice per KV layer, then the trailer), so a
 backend can move it without a gather/scatter copy: ``seal_parts`` / ``check_parts``.
@@ -116,17 +118,17 @@ def _check(trailer: memoryview, offset: int, parts: Sequence[memoryview], payloa
     if key is not None:  # a shared store: only values sealed with our key are KV we trust
         if magic != MAGIC_MAC:
             return f"no MAC (magic {magic!r}) while a MAC key is configured"
-        return None if _digest(parts, key, tag) == check else "MAC mismatch (tampered, or another layout)"
+        return None if _digest(parts, key, tag) == check else "MAC mismatch"
     if magic == MAGIC_MAC:
         return "MAC-sealed value but no MAC key configured"
     if magic == MAGIC_XXH3:
-        return None if _digest(parts, None, tag) == check else "checksum mismatch (corrupt, or another layout)"
+        return None if _digest(parts, None, tag) == check else "checksum mismatch"
     if magic == MAGIC_TAG_ONLY:
-        return None if check == tag else "layout tag mismatch (written by an engine of another layout)"
+        return None if check == tag else "layout tag mismatch"
     if tag:  # an earlier version's value: nothing in it says which layout wrote it
         return f"untagged value (magic {magic!r}, an earlier version's format) while a layout tag is set"
     if magic == MAGIC_CRC32:
-        return None if _crc32_parts(parts) == check else "checksum mismatch (corrupt, or another layout)"
+        return None if _crc32_parts(parts) == check else "checksum mismatch"
     return None  # MAGIC_NONE
 
 
