@@ -82,7 +82,7 @@ def test_async_load_does_not_delay_other_requests(engines):
     assert got.ttft_s[0] >= GET_LATENCY_S * 0.9, got.ttft_s  # the hit did wait for its slow get
     # The misses ran while the hit loaded: none waited for the slow get.
     assert max(got.ttft_s[1:]) < GET_LATENCY_S / 2, got.ttft_s
-    leaks = a._request({"op": "leak_report"}, 60.0, "leak_report")["connectors"]
+    leaks = a.leak_report()
     assert all(not any(r.values()) for r in leaks if r), leaks
 
 

@@ -430,6 +430,27 @@ class EngineProcess:
         ``{"name", "labels", "value"}`` or, for histograms, ``{"name", "labels", "sum", "count"}``."""
         return list(self._request({"op": "metrics", "prefix": prefix}, timeout_s, "metrics")["metrics"])
 
+    def leak_report(self, timeout_s: float = 60.0) -> list[dict[str, int] | None]:
+        """Each in-process connector side's ``leak_report()`` (None where it has none); needs
+        ``instrument=True`` and an in-process engine (``multiprocess=False``)."""
+        return list(self._request({"op": "leak_report"}, timeout_s, "leak_report")["connectors"])
+
+    def wait_saves_done(self, timeout_s: float = 60.0) -> dict[str, int]:
+        """Wait until the worker side has no save pending (a store connector saves in the
+        background after the output returned, so its bytes are in the store then); returns the
+        worker's report. The scheduler side still holds those requests until vLLM's next step
+        reports them finished: an idle in-process engine takes no step."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            report = self.leak_report()
+            if len(report) != 2 or report[1] is None:  # [scheduler side, worker side] (engine_child)
+                raise EngineError(f"[{self.name}] no worker-side leak report: {report}")
+            if not report[1].get("pending_saves"):
+                return report[1]
+            if time.monotonic() > deadline:
+                raise EngineError(f"[{self.name}] saves still pending after {timeout_s:g} s: {report}")
+            time.sleep(0.1)
+
     def rss_bytes(self) -> int:
         """Resident memory of the child and all its descendants, in bytes; needs psutil."""
         import psutil
