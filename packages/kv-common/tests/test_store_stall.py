@@ -229,10 +229,7 @@ def test_hung_load_becomes_a_load_error_within_its_deadline(backend):
     assert counters["load_timeouts"] == 1 and counters["loads_skipped_backend_stalled"] == 1, counters
     # The late fetch returns: nothing of it lands in the KV cache vLLM recomputes, nor in the ledger.
     backend.release("get")
-    deadline = time.monotonic() + 10
-    while worker._loader_busy() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not worker._loader_busy()
+    wait_until(lambda: not worker._loader_busy())
     for name, c in caches.items():
         assert torch.equal(c[9:13], before[name]), f"{name}: a late fetch wrote into the KV cache"
     assert worker.ledger.take_block_ids_with_load_errors() == set()
