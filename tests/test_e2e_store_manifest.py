@@ -9,8 +9,8 @@
   stored at start-up makes Q refuse to start with one message naming block_size with both values.
 * evicted manifest: M1 (model revision 1) fills a pinned namespace, its manifest is evicted, and
   M2 (revision 2, the same architecture: the same bytes per block) starts on it, writing its own
-  manifest. Before values carried the layout tag, M2 loaded M1's KV for every prompt. Now each of
-  those loads fails its check: zero hits, M2's own tokens.
+  manifest. Before values carried the layout tag, M2 loaded M1's KV for 5 of 6 prompts. Now each
+  of those loads fails its check and is recomputed: M2's own tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ def embedded(spill: Path, **extra) -> dict:
 
 def _files(spill: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in spill.iterdir() if p.is_file() and p.suffix == ".kvb"}
+
+
+def _manifests(spill: Path) -> list[str]:
+    """The namespace manifests' file names (framed JSON behind the backend's file header)."""
+    return [n for n, data in _files(spill).items() if MANIFEST_MAGIC in data[:64]]
 
 
 def _blocks(spill: Path) -> dict[str, bytes]:
@@ -101,7 +106,7 @@ def test_pinned_namespace_with_another_block_size_refuses_to_start(engines):
 
     p = engines["started"]["p"]
     p.wait_ready()  # P stored the namespace manifest at start-up
-    assert [n for n, data in _files(engines["pinned"]).items() if MANIFEST_MAGIC in data[:64]]
+    assert _manifests(engines["pinned"])
     q = EngineProcess(engines["model"], name="q", block_size=BLOCK // 2,
                       kv_transfer_config=embedded(engines["pinned"], namespace="team-shared"), **ENGINE)
     engines["started"]["q"] = q
@@ -126,14 +131,14 @@ def test_evicted_manifest_a_new_model_revision_never_loads_the_old_kv(engines):
     while len(_blocks(revs)) < 6 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert len(_blocks(revs)) == 6, sorted(_files(revs))
-    manifests = [n for n, data in _files(revs).items() if MANIFEST_MAGIC in data[:64]]
+    manifests = _manifests(revs)
     assert len(manifests) == 1, manifests
     (revs / manifests[0]).unlink()  # evicted; M1's blocks stay
     m2 = EngineProcess(engines["model2"], name="m2", extra_llm_kwargs=NO_PREFIX_CACHE,
                        kv_transfer_config=embedded(revs, namespace="served-model"), **ENGINE)
     engines["started"]["m2"] = m2
     m2.start()  # its manifest check passes: the namespace has no manifest now
-    assert [n for n, data in _files(revs).items() if MANIFEST_MAGIC in data[:64]]  # M2's own
+    assert _manifests(revs)  # M2's own
     want = ref2.generate(prompts)
     got = m2.generate(prompts)
     assert_same_tokens(got, want)  # revision 2's tokens, not decoded from revision 1's KV
