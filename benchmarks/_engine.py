@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from kv_common.testing.engine import EngineProcess
-from kv_common.testing.mooncake_master import MooncakeMaster, free_port
+from kv_common.testing.ports import free_port
+from kv_store.testing import MooncakeMaster
 
 from benchmarks.report import ROOT, progress
 

@@ -44,10 +44,10 @@ def _zlib_parts(zlib, parts) -> int:
 def measure(backend, value_bytes: int, total_bytes: int, reps: int, **cfg) -> dict:
     import torch
     from kv_common import device
-    from kv_common.store_connector import codec
-    from kv_common.store_connector.config import StoreConnectorConfig
-    from kv_common.store_connector.metadata import BlockTransfer, StorePlan
-    from kv_common.store_connector.worker import StoreWorker
+    from kv_store import codec
+    from kv_store.config import StoreConnectorConfig
+    from kv_store.metadata import BlockTransfer, StorePlan
+    from kv_store.worker import StoreWorker
 
     if cfg.pop("_zlib_crc32", False):  # the check as it was: zlib's crc32 in the same trailer slot
         import zlib

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from kv_common.testing.mooncake_master import free_port
+from kv_common.testing.ports import free_port
 
 from benchmarks._te_peer import PeerProcess
 from benchmarks.bench_transfer_raw import RAW_METHODS, read_blocks, te_bench_gbps

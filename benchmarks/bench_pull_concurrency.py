@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from kv_common.testing.mooncake_master import free_port
+from kv_common.testing.ports import free_port
 
 from benchmarks._te_peer import PeerProcess
 

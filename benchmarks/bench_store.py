@@ -135,9 +135,9 @@ def _measure(
     raw_side: RawSide | None = None,
 ) -> dict:
     import torch
-    from kv_common.store_connector.config import StoreConnectorConfig
-    from kv_common.store_connector.metadata import BlockTransfer, StorePlan
-    from kv_common.store_connector.worker import StoreWorker
+    from kv_store.config import StoreConnectorConfig
+    from kv_store.metadata import BlockTransfer, StorePlan
+    from kv_store.worker import StoreWorker
 
     block_size = value_bytes // TOKEN_BYTES
     n = max(4, total_bytes // value_bytes)

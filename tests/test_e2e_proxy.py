@@ -38,7 +38,7 @@ pytest.importorskip("fastapi")
 
 from conftest import mooncake_leaks  # noqa: E402
 from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
-from kv_common.testing.mooncake_master import free_port  # noqa: E402
+from kv_common.testing.ports import free_port  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.e2e

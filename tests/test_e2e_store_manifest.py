@@ -25,7 +25,7 @@ pytestmark = [requires_vllm, pytest.mark.e2e]
 
 ENGINE = dict(max_tokens=16, kv_cache_bytes=16 << 20, max_model_len=512, multiprocess=False)
 NO_PREFIX_CACHE = {"enable_prefix_caching": False}
-MANIFEST_MAGIC = b"KVMF"  # kv_common.store_connector.manifest.MAGIC
+MANIFEST_MAGIC = b"KVMF"  # kv_store.manifest.MAGIC
 MAC_ENV = {"KV_TEST_STORE_MAC": "a-deployment-secret-of-32-bytes!"}
 
 

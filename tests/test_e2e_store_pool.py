@@ -49,8 +49,8 @@ def expected_hit(prompt: list[int]) -> int:
 @pytest.fixture(scope="module")
 def pool(tiny_model):
     pytest.importorskip("mooncake.store")
-    from kv_common.testing import EngineProcess, MooncakeMaster
-    from kv_common.testing.mooncake_master import MooncakeClient
+    from kv_common.testing import EngineProcess
+    from kv_store.testing import MooncakeClient, MooncakeMaster
 
     with MooncakeMaster() as master:
         holder = MooncakeClient(master.address, segment="128MB").__enter__()

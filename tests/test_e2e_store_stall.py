@@ -53,7 +53,8 @@ def store_cfg(**extra) -> dict:
 
 class Fleet:
     def __init__(self, tiny_model, tmp) -> None:
-        from kv_common.testing import EngineProcess, MooncakeMaster
+        from kv_common.testing import EngineProcess
+        from kv_store.testing import MooncakeMaster
 
         pytest.importorskip("mooncake.store")
         self.master = MooncakeMaster().__enter__()

@@ -26,7 +26,7 @@ pytest.importorskip("prometheus_client")
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from kv_common.testing.mooncake_master import free_port
+from kv_common.testing.ports import free_port
 from kv_mooncake import protocol as P
 from kv_mooncake.proxy.app import build_app, prefill_request_body
 from kv_mooncake.proxy.balancer import InstancePool, estimate_prompt_tokens

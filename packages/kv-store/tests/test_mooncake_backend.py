@@ -10,7 +10,7 @@ pytest.importorskip("mooncake.store")
 
 from conftest import mooncake_options  # noqa: E402
 from kv_common.backend import BackendError  # noqa: E402
-from kv_common.store_connector.backend_contract import BackendContract  # noqa: E402
+from kv_common.testing.backend_contract import BackendContract  # noqa: E402
 from kv_store.config import MooncakeOptions, resolve_mooncake  # noqa: E402
 from kv_store.mooncake_backend import MooncakeBackend  # noqa: E402
 

@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("mooncake.store")
 
 from conftest import mooncake_options  # noqa: E402
-from kv_common.store_connector import keys  # noqa: E402
-from kv_common.store_connector import manifest as mf  # noqa: E402
+from kv_store import keys  # noqa: E402
+from kv_store import manifest as mf  # noqa: E402
 from kv_store.mooncake_backend import MooncakeBackend  # noqa: E402
 
 SIZE = 8192

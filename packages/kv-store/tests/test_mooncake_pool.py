@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("mooncake.store")
 
 from kv_common.config import ConnectorConfigError  # noqa: E402
-from kv_common.testing.mooncake_master import MooncakeClient  # noqa: E402
 from kv_store.backends import make_mooncake_backend  # noqa: E402
 from kv_store.config import parse_config, resolve_mooncake  # noqa: E402
+from kv_store.testing import MooncakeClient  # noqa: E402
 
 VALUE = 64 << 10
 KEYS = [f"pool-{i}" for i in range(24)]
@@ -138,7 +138,7 @@ def test_mount_segment_false_contradicting_an_inline_segment_is_refused():
 
 
 def test_client_helper_without_master_fails_within_its_deadline_and_leaves_nothing():
-    from kv_common.testing.mooncake_master import free_port
+    from kv_common.testing.ports import free_port
 
     client = MooncakeClient(f"127.0.0.1:{free_port()}", segment="16MB", start_timeout_s=60)
     t0 = time.monotonic()

@@ -14,7 +14,7 @@ os.environ.setdefault("UCM_LOG_PATH", tempfile.mkdtemp(prefix="ucm-log-"))
 pytest.importorskip("vllm", reason="UCMConnector subclasses vLLM's KVConnectorBase_V1")
 
 from kv_common.config import parse_extra_config  # noqa: E402
-from kv_common.store_connector import codec  # noqa: E402
+from kv_store import codec  # noqa: E402
 from kv_ucm.config import UCMConfig  # noqa: E402
 from kv_ucm.connector import UCMConnector, expected_value_size  # noqa: E402
 from kv_ucm.ucm_backend import UcmBackend  # noqa: E402
@@ -91,10 +91,10 @@ def test_make_backend_roles(tmp_path):
 
 
 def test_missing_store_directory_fails_at_start_up(tmp_path, monkeypatch):
-    from kv_ucm import connector
+    from kv_ucm import backend_factory
     from kv_ucm.config import UCMConfigError
 
-    monkeypatch.setattr(connector, "check_ucm_installation", lambda: None)
+    monkeypatch.setattr(backend_factory, "check_ucm_installation", lambda: None)
     stub = SimpleNamespace(_kv_cache_config=None)
     with pytest.raises(UCMConfigError, match="missing.*does not exist"):
         UCMConnector.make_backend(stub, _config(tmp_path / "missing"), ROLE.SCHEDULER)

@@ -11,10 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.metadata import BlockTransfer, StorePlan
-from kv_common.store_connector.worker import StoreWorker
 from kv_common.testing.host_guard import HostAccessGuardTensor
+from kv_store.config import StoreConnectorConfig
+from kv_store.metadata import BlockTransfer, StorePlan
+from kv_store.worker import StoreWorker
 from kv_ucm.ucm_backend import UcmBackend
 from test_ucm_backend import FakeUcmStore
 

@@ -25,15 +25,15 @@ os.environ.setdefault("UCM_LOG_PATH", tempfile.mkdtemp(prefix="ucm-log-"))
 pytest.importorskip("ucm", reason="UCM (uc-manager[cu130]) is Python 3.12 only")
 torch = pytest.importorskip("torch", reason="UCM's Python store wrapper imports torch")
 
-from kv_common.store_connector.backend_contract import BackendContract  # noqa: E402
-from kv_common.store_connector.config import StoreConnectorConfig  # noqa: E402
+from kv_common.testing.backend_contract import BackendContract  # noqa: E402
+from kv_store.config import StoreConnectorConfig  # noqa: E402
 from kv_ucm.block_ids import ucm_key_id  # noqa: E402
 from kv_ucm.ucm_backend import UcmBackend  # noqa: E402
 
 try:  # the store core's metadata module subclasses vLLM's KVConnectorMetadata
-    from kv_common.store_connector.metadata import BlockTransfer, StorePlan
-    from kv_common.store_connector.scheduler import StoreScheduler
-    from kv_common.store_connector.worker import StoreWorker
+    from kv_store.metadata import BlockTransfer, StorePlan
+    from kv_store.scheduler import StoreScheduler
+    from kv_store.worker import StoreWorker
 
     STORE_CORE_ERROR = None
 except ImportError as exc:  # e.g. no vLLM in this environment
@@ -96,7 +96,7 @@ SAVER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, sys.argv[2])
     from test_ucm_backend_posix import TAG, caches, chain, make_worker, drain, posix
-    from kv_common.store_connector.metadata import BlockTransfer, StorePlan
+    from kv_store.metadata import BlockTransfer, StorePlan
     from kv_ucm.ucm_backend import UcmBackend
     backend = UcmBackend(posix(sys.argv[1]))
     worker = make_worker(backend, caches(seed=5))

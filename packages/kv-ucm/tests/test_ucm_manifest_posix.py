@@ -18,8 +18,8 @@ os.environ.setdefault("UCM_LOG_PATH", tempfile.mkdtemp(prefix="ucm-log-"))
 
 pytest.importorskip("ucm", reason="UCM (uc-manager[cu130]) is Python 3.12 only")
 
-from kv_common.store_connector import keys  # noqa: E402
-from kv_common.store_connector import manifest as mf  # noqa: E402
+from kv_store import keys  # noqa: E402
+from kv_store import manifest as mf  # noqa: E402
 from kv_ucm.ucm_backend import UcmBackend  # noqa: E402
 
 SIZE = 16 * 2 * 64 * 4 * 3 + 16  # a small block value (3 layers) + trailer

@@ -10,10 +10,10 @@ from typing import Any
 
 from kv_common.backend import Backend
 from kv_common.logging_utils import get_logger
-from kv_common.store_connector.connector import StoreConnectorBase
 
 from kv_store.backends import make_backend
 from kv_store.config import StoreConfig
+from kv_store.connector_base import StoreConnectorBase
 
 logger = get_logger(__name__)
 

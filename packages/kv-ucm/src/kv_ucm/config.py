@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 from kv_common.config import parse_extra_config
 from kv_common.logging_utils import get_logger
-from kv_common.store_connector.config import StoreConnectorConfig
+from kv_store.config import StoreConnectorConfig
 
 from kv_ucm.ucm_store import DEFAULT_CONNECTOR_NAME, load_ucm_yaml
 

@@ -15,7 +15,7 @@ from kv_common.testing.engine import (
     run_engine_batches,
 )
 from kv_common.testing.leaks import LeakBaseline, LeakError, assert_no_leaks
-from kv_common.testing.mooncake_master import MooncakeMaster, free_port
+from kv_common.testing.ports import free_port
 from kv_common.testing.probe import (
     PROBE_NAME,
     PROBE_SPEC,
@@ -38,7 +38,6 @@ __all__ = [
     "EngineResult",
     "LeakBaseline",
     "LeakError",
-    "MooncakeMaster",
     "assert_no_leaks",
     "assert_same_tokens",
     "baseline",

@@ -28,7 +28,7 @@ def test_pending_block_frees_while_saves_hold_blocks():
 
 def test_connector_answers_vllm_hook():
     pytest.importorskip("vllm")
-    from kv_common.store_connector.connector import StoreConnectorBase
+    from kv_store.connector_base import StoreConnectorBase
 
     # The hook must be ours, not KVConnectorBase_V1's "always False".
     assert "has_pending_block_frees" in StoreConnectorBase.__dict__

@@ -42,7 +42,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
-
 from kv_common.backend import Backend
 from kv_common.logging_utils import get_logger
 

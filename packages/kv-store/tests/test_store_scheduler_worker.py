@@ -15,11 +15,11 @@ torch = pytest.importorskip("torch")  # the worker side moves torch tensors
 
 from kv_common.backend import Backend
 from kv_common.embedded_backend import EmbeddedBackend
-from kv_common.store_connector import codec
-from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.metadata import BlockTransfer, StorePlan
-from kv_common.store_connector.scheduler import StoreScheduler
-from kv_common.store_connector.worker import StoreWorker
+from kv_store import codec
+from kv_store.config import StoreConnectorConfig
+from kv_store.metadata import BlockTransfer, StorePlan
+from kv_store.scheduler import StoreScheduler
+from kv_store.worker import StoreWorker
 
 BS = 4
 
@@ -125,7 +125,7 @@ def test_save_then_lookup_then_load_roundtrip():
     import pickle
 
     pytest.importorskip("vllm")
-    from kv_common.store_connector.vllm_metadata import StoreConnectorMetadata
+    from kv_store.vllm_metadata import StoreConnectorMetadata
 
     meta = pickle.loads(pickle.dumps(StoreConnectorMetadata(plan2)))
     assert meta.plan.loads[0].block_ids == [[9, 10, 11, 12]]

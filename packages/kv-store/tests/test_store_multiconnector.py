@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kv_common.store_connector.failure_policy import apply_recompute_policy, enclosing_transfer_configs  # noqa: E402
+from kv_store.failure_policy import apply_recompute_policy, enclosing_transfer_configs  # noqa: E402
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def test_alone_only_our_own_config_changes():
 def test_store_connector_registers_prometheus_metrics():
     """vLLM's MultiKVConnectorPromMetrics.observe asserts that every child whose stats arrive has
     prom metrics: without them the engine's stats logging crashed on the store's first stats."""
-    from kv_common.store_connector.stats import StoreStats, build_prom_metrics
+    from kv_store.stats import StoreStats, build_prom_metrics
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     registry = CollectorRegistry()

@@ -1,6 +1,6 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_common.store_connector import keys, lookup
+from kv_store import keys, lookup
 
 
 def test_keys_depend_on_namespace_rank_and_hash():

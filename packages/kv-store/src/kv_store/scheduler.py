@@ -15,11 +15,12 @@ from typing import Any
 
 from kv_common.backend import Backend
 from kv_common.logging_utils import get_logger
-from kv_common.store_connector import keys as keys_mod
-from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.lookup import LookupBreaker, external_tokens, leading_present, loadable_blocks
-from kv_common.store_connector.metadata import BlockTransfer, StorePlan, StoreReport
-from kv_common.store_connector.stats import StoreStats
+
+from kv_store import keys as keys_mod
+from kv_store.config import StoreConnectorConfig
+from kv_store.lookup import LookupBreaker, external_tokens, leading_present, loadable_blocks
+from kv_store.metadata import BlockTransfer, StorePlan, StoreReport
+from kv_store.stats import StoreStats
 
 logger = get_logger(__name__)
 

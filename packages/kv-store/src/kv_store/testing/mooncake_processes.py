@@ -19,14 +19,9 @@ import time
 from pathlib import Path
 from typing import TypeVar
 
+from kv_common.testing.ports import free_port
+
 _P = TypeVar("_P", bound="_LoopbackProcess")
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (racy by nature: use it at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _LoopbackProcess:

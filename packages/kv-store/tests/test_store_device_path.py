@@ -14,10 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kv_common.embedded_backend import EmbeddedBackend
-from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.metadata import BlockTransfer, StorePlan
-from kv_common.store_connector.worker import StoreWorker
 from kv_common.testing.host_guard import HostAccessError, HostAccessGuardTensor
+from kv_store.config import StoreConnectorConfig
+from kv_store.metadata import BlockTransfer, StorePlan
+from kv_store.worker import StoreWorker
 
 HASHES = [bytes([i]) * 32 for i in range(1, 5)]
 

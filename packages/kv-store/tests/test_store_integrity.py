@@ -6,7 +6,7 @@ import struct
 import zlib
 
 import pytest
-from kv_common.store_connector import codec
+from kv_store import codec
 
 PAYLOAD = bytes(range(256)) * 64
 
@@ -76,9 +76,9 @@ def test_mac_key_must_be_set_and_long_enough():
 def test_worker_with_a_mac_key_refuses_values_stored_without_it(monkeypatch):
     torch = pytest.importorskip("torch")
     from kv_common.embedded_backend import EmbeddedBackend
-    from kv_common.store_connector.config import StoreConnectorConfig
-    from kv_common.store_connector.metadata import BlockTransfer, StorePlan
-    from kv_common.store_connector.worker import StoreWorker
+    from kv_store.config import StoreConnectorConfig
+    from kv_store.metadata import BlockTransfer, StorePlan
+    from kv_store.worker import StoreWorker
 
     monkeypatch.setenv("KV_TEST_MAC", "a deployment secret of 32 bytes!")
     backend = EmbeddedBackend(16 << 20)

@@ -17,10 +17,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.keys import block_keys
-from kv_common.store_connector.metadata import StorePlan
-from kv_common.store_connector.worker import StoreWorker
+from kv_store.config import StoreConnectorConfig
+from kv_store.keys import block_keys
+from kv_store.metadata import StorePlan
+from kv_store.worker import StoreWorker
 from test_store_scheduler_worker import BS, FakeBlocks, FakeRequest, make_scheduler
 from test_store_stall import HASHES, BlockingBackend, make_worker, saved_worker, timed, transfer, wait_until
 

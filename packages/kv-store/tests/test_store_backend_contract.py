@@ -1,6 +1,6 @@
 import pytest
 from kv_common.embedded_backend import EmbeddedBackend
-from kv_common.store_connector.backend_contract import BackendContract
+from kv_common.testing.backend_contract import BackendContract
 
 
 class TestEmbeddedMemory(BackendContract):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import msgspec
-
-from kv_common.store_connector.metadata import StorePlan, StoreReport
 from kv_common.vllm_compat import base_module
+
+from kv_store.metadata import StorePlan, StoreReport
 
 _base = base_module()
 

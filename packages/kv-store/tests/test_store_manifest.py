@@ -18,11 +18,11 @@ torch = pytest.importorskip("torch")
 
 from kv_common.backend import Backend, BackendError
 from kv_common.embedded_backend import EmbeddedBackend
-from kv_common.store_connector import keys
-from kv_common.store_connector import manifest as mf
-from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.metadata import BlockTransfer, StorePlan
-from kv_common.store_connector.worker import StoreWorker
+from kv_store import keys
+from kv_store import manifest as mf
+from kv_store.config import StoreConnectorConfig
+from kv_store.metadata import BlockTransfer, StorePlan
+from kv_store.worker import StoreWorker
 
 KEY = keys.manifest_key("shared", "hg0of1.pcp0of1.dcp0of1")
 SIZE = 4096
@@ -314,7 +314,7 @@ def test_mac_and_plain_deployments_get_different_namespaces():
     """A MAC deployment refuses plain values and the reverse: sharing a namespace, each would load,
     fail and remove the other's blocks (tests/test_e2e_store_manifest.py shows it with engines)."""
     pytest.importorskip("vllm")
-    from kv_common.store_connector.connector import value_seal
+    from kv_store.connector_base import value_seal
 
     plain = value_seal(StoreConnectorConfig())
     mac = value_seal(StoreConnectorConfig(mac_key_env="K"), {"K": "x" * 32})
@@ -325,7 +325,7 @@ def test_mac_and_plain_deployments_get_different_namespaces():
 
 def test_manifest_settings_name_the_model_by_its_last_path_component():
     pytest.importorskip("vllm")
-    from kv_common.store_connector.connector import manifest_settings
+    from kv_store.connector_base import manifest_settings
 
     fp = {"model": "/mnt/a/models/tiny/", "revision": "r1", "block_size": 16}
     out = manifest_settings(fp, rank_tag="t", value_size=100, layout={"layers": "2"})

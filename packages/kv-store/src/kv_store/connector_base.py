@@ -22,16 +22,17 @@ from kv_common.backend import Backend
 from kv_common.config import parse_extra_config
 from kv_common.failure_ledger import FailureLedger
 from kv_common.logging_utils import get_logger
-from kv_common.store_connector import codec
-from kv_common.store_connector import keys as keys_mod
-from kv_common.store_connector import manifest as manifest_mod
-from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.failure_policy import apply_recompute_policy
-from kv_common.store_connector.scheduler import StoreScheduler
-from kv_common.store_connector.stats import StoreStats, vllm_stats_class
-from kv_common.store_connector.vllm_metadata import StoreConnectorMetadata, StoreWorkerMetadata
-from kv_common.store_connector.worker import StoreWorker
 from kv_common.vllm_compat import base_module, forward_context_kv_caches, model_fingerprint, parallel_ranks
+
+from kv_store import codec
+from kv_store import keys as keys_mod
+from kv_store import manifest as manifest_mod
+from kv_store.config import StoreConnectorConfig
+from kv_store.failure_policy import apply_recompute_policy
+from kv_store.scheduler import StoreScheduler
+from kv_store.stats import StoreStats, vllm_stats_class
+from kv_store.vllm_metadata import StoreConnectorMetadata, StoreWorkerMetadata
+from kv_store.worker import StoreWorker
 
 logger = get_logger(__name__)
 _base = base_module()
@@ -351,7 +352,7 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        from kv_common.store_connector.stats import build_prom_metrics
+        from kv_store.stats import build_prom_metrics
 
         return build_prom_metrics(cls.__name__, vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

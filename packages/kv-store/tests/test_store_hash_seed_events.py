@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("vllm")  # the start-up check and KV events are vLLM types
 
-from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.connector import hash_seed_warning
-from kv_common.store_connector.metadata import StoreReport
-from kv_common.store_connector.scheduler import StoreScheduler
+from kv_store.config import StoreConnectorConfig
+from kv_store.connector_base import hash_seed_warning
+from kv_store.metadata import StoreReport
+from kv_store.scheduler import StoreScheduler
 
 BS = 4
 

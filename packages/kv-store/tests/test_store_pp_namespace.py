@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kv_common.store_connector import keys
+from kv_store import keys
 
 H = b"\x01" * 32
 
@@ -67,7 +67,7 @@ def _vllm_config(**changes):
 @pytest.fixture
 def fingerprint():
     pytest.importorskip("vllm")
-    from kv_common.store_connector.connector import store_fingerprint
+    from kv_store.connector_base import store_fingerprint
 
     return store_fingerprint
 

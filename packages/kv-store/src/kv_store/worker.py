@@ -45,16 +45,16 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
-
 from kv_common import device
 from kv_common.backend import Backend
 from kv_common.failure_ledger import FailureLedger
 from kv_common.logging_utils import get_logger
-from kv_common.store_connector import codec
-from kv_common.store_connector import keys as keys_mod
-from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.metadata import BlockTransfer, StorePlan, StoreReport
-from kv_common.store_connector.stats import StoreStats
+
+from kv_store import codec
+from kv_store import keys as keys_mod
+from kv_store.config import StoreConnectorConfig
+from kv_store.metadata import BlockTransfer, StorePlan, StoreReport
+from kv_store.stats import StoreStats
 
 logger = get_logger(__name__)
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from kv_common.embedded_backend import EmbeddedBackend  # noqa: E402
-from kv_common.store_connector import keys  # noqa: E402
+from kv_store import keys  # noqa: E402
 from test_store_scheduler_worker import (  # noqa: E402,E501
     BS,
     FakeBlocks,

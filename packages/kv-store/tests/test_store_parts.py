@@ -7,10 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kv_common.embedded_backend import EmbeddedBackend  # noqa: E402
-from kv_common.store_connector import codec  # noqa: E402
-from kv_common.store_connector.config import StoreConnectorConfig  # noqa: E402
-from kv_common.store_connector.metadata import BlockTransfer, StorePlan  # noqa: E402
-from kv_common.store_connector.worker import StoreWorker  # noqa: E402
+from kv_store import codec  # noqa: E402
+from kv_store.config import StoreConnectorConfig  # noqa: E402
+from kv_store.metadata import BlockTransfer, StorePlan  # noqa: E402
+from kv_store.worker import StoreWorker  # noqa: E402
 
 BS = 4
 

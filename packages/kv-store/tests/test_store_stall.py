@@ -19,10 +19,10 @@ torch = pytest.importorskip("torch")
 
 from kv_common.backend import scatter_into_parts
 from kv_common.embedded_backend import EmbeddedBackend
-from kv_common.store_connector.config import StoreConnectorConfig
-from kv_common.store_connector.metadata import BlockTransfer, StorePlan
-from kv_common.store_connector.scheduler import StoreScheduler
-from kv_common.store_connector.worker import StoreWorker
+from kv_store.config import StoreConnectorConfig
+from kv_store.metadata import BlockTransfer, StorePlan
+from kv_store.scheduler import StoreScheduler
+from kv_store.worker import StoreWorker
 from test_store_scheduler_worker import BS, FakeBlocks, FakeRequest, new_req_output
 
 HANG_S = 30.0  # a hung call waits at most this long for the test to let it go

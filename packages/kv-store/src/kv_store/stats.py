@@ -120,9 +120,8 @@ def build_prom_metrics(
     stats it observes registered Prometheus metrics, so a store connector beside one that has them
     (MooncakeConnectorV1) would otherwise crash the engine's stats logging on its first stats.
     """
-    from prometheus_client import Counter, Histogram
-
     from kv_common.vllm_compat import metrics_module
+    from prometheus_client import Counter, Histogram
 
     KVConnectorPromMetrics: Any = metrics_module().KVConnectorPromMetrics  # noqa: N806 (vLLM's, known at run time)
 

@@ -11,12 +11,12 @@ pytest.importorskip("vllm")  # KV events are vLLM types
 
 import torch  # noqa: E402
 from kv_common.embedded_backend import EmbeddedBackend  # noqa: E402
-from kv_common.store_connector import scheduler as scheduler_mod  # noqa: E402
-from kv_common.store_connector.config import StoreConnectorConfig  # noqa: E402
-from kv_common.store_connector.metadata import BlockTransfer, StorePlan  # noqa: E402
-from kv_common.store_connector.scheduler import StoreScheduler  # noqa: E402
-from kv_common.store_connector.vllm_metadata import StoreWorkerMetadata  # noqa: E402
-from kv_common.store_connector.worker import StoreWorker  # noqa: E402
+from kv_store import scheduler as scheduler_mod  # noqa: E402
+from kv_store.config import StoreConnectorConfig  # noqa: E402
+from kv_store.metadata import BlockTransfer, StorePlan  # noqa: E402
+from kv_store.scheduler import StoreScheduler  # noqa: E402
+from kv_store.vllm_metadata import StoreWorkerMetadata  # noqa: E402
+from kv_store.worker import StoreWorker  # noqa: E402
 from test_store_scheduler_worker import BS, FakeBlocks, FakeRequest, drain, new_req_output  # noqa: E402
 
 TAGS = ["t0", "t1"]
@@ -87,7 +87,7 @@ def test_block_stored_only_once_every_rank_tag_stored_it():
 def test_tracking_is_bounded(monkeypatch):
     monkeypatch.setattr(scheduler_mod, "MAX_TRACKED_BLOCKS", 8)
     sched = _scheduler(EmbeddedBackend(1 << 20))
-    from kv_common.store_connector.metadata import StoreReport
+    from kv_store.metadata import StoreReport
 
     for i in range(100):  # only rank t0 ever reports: nothing completes
         sched.on_worker_report(StoreReport(stored_by_tag={"t0": [bytes([i]) * 32]}))
