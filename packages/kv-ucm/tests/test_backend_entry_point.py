@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kv_common.config import ConfigKeyError
 from kv_store.backends import available_backends, resolve_factory
 from kv_store.config import StoreConfig

@@ -37,7 +37,7 @@ def _parallel(vllm_config: Any) -> dict[str, int]:
 
 
 def _kv_shape(vllm_config: Any, use_mla: bool) -> dict[str, int]:
-    """Heads on this rank and head size, to recognise the KV tensors' layout (see kv_regions)."""
+    """Heads on this rank and head size, to recognise the KV tensors' layout (see kv_common.kv_layout)."""
     model = vllm_config.model_config
     try:
         heads = 1 if use_mla else int(model.get_num_kv_heads(vllm_config.parallel_config))

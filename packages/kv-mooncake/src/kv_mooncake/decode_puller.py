@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 from kv_common.failure_ledger import FailureLedger
+from kv_common.kv_layout import KVPart, LayoutError, head_span_runs, pair_runs
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
 
@@ -29,7 +30,6 @@ from kv_mooncake import protocol as P
 from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.kv_digest import head_digests
-from kv_mooncake.kv_regions import KVPart, LayoutError, head_span_runs, pair_runs
 from kv_mooncake.local_cache import LocalCache, head_ranges
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
 from kv_mooncake.peer_health import PeerBreaker, PeerQueues

@@ -9,14 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kv_mooncake.kv_regions import KVPart, LayoutError, head_span_runs, infer_roles, layout_name
+from kv_common.kv_layout import KVPart, LayoutError, head_span_runs, infer_roles, layout_name
 
 
 @dataclass
 class LocalCache:
     """This rank's registered KV cache, as the pull arithmetic needs it.
 
-    ``parts``: per layer, its KV tensors (``kv_regions``); without it (raw regions, tests and
+    ``parts``: per layer, its KV tensors (``kv_common.kv_layout``); without it (raw regions, tests and
     benchmarks) each layer is one region of ``num_blocks`` blocks of ``block_bytes``, heads
     contiguous inside a block. ``num_blocks`` counts the tensor's (kernel) blocks; a logical block
     id ``b`` is kernel blocks ``b*kernel_blocks_per_block ...`` (vLLM may split a block for its
@@ -65,7 +65,7 @@ def describe_kv_caches(
     use_mla: bool = False,
     block_size: int | None = None,
 ) -> tuple[LocalCache, dict[str, int]]:
-    """Describe each layer's KV tensor(s) in any layout ``kv_regions.infer_roles`` knows (the CPU
+    """Describe each layer's KV tensor(s) in any layout ``kv_common.kv_layout.infer_roles`` knows (the CPU
     ``[num_blocks, heads, block_size, 2*head_size]``, CUDA, FlashInfer, separate K and V, MLA).
 
     ``block_size`` is the logical (scheduler) block size per rank; the tensor's block may be

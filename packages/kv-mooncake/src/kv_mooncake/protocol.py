@@ -53,7 +53,7 @@ class Handshake(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
 
 class PartInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """One KV tensor of a layer (``kv_regions.KVPart``): where it is and how its bytes are laid out."""
+    """One KV tensor of a layer (``kv_common.kv_layout.KVPart``): where it is and how its bytes are laid out."""
 
     base: int
     shape: list[int]

@@ -1,18 +1,36 @@
-"""Byte ranges of KV blocks in the layouts vLLM and vllm-ascend give a connector: pure, no torch.
+"""The one KV-cache layout model: byte ranges of KV blocks in the tensors vLLM and vllm-ascend hand
+a connector. Pure, no torch; used by kv-mooncake's pulls and kv-store's block view alike.
 
 A layer's KV cache is one or more *parts* (one tensor; vllm-ascend hands K and V as two). Each
 part is described by its shape, its strides (in elements) and the role of every dimension:
 
 * ``block``  the paged block (kernel block: vLLM may split a logical block into several),
-* ``kv``     K or V (size 2) when both live in one tensor (CUDA ``[2, blocks, block, heads, dim]``),
+* ``kv``     K or V (size 2) when both live in one tensor on its own axis (vLLM before 0.30),
 * ``token``  position inside the block,
 * ``head``   KV head held by this rank (absent for MLA: one latent vector per token),
-* ``dim``    the head's elements (the CPU layout packs K and V here: ``2*head_size``).
+* ``dim``    the head's elements (vLLM 0.32 packs K and V here: ``2*head_size``).
+
+What each engine hands over (checked in vLLM 0.32's ``v1/attention/backends`` and
+``v1/kv_cache_layout.py``; vllm-ascend's ``distributed/`` connectors):
+
+=================================  ======================================  =======================
+who                                logical shape                           roles
+=================================  ======================================  =======================
+vLLM 0.32, every attention         ``[blocks, heads, block, 2*head]``      block, head, token, dim
+backend (CPU, FlashAttention,      (physical order from ``KVCacheLayout``:
+FlashInfer, Triton, FlexAttention) LBHNC as is, LBNHC heads inside tokens;
+                                   the strides say which)
+vllm-ascend (separate K and V)     two ``[blocks, block, heads, head]``    block, token, head, dim
+MLA (vLLM and vllm-ascend)         ``[blocks, block, latent]``             block, token, dim
+older vLLM, CUDA flash-attention   ``[2, blocks, block, heads, head]``     kv, block, token, head, dim
+older vLLM, FlashInfer             ``[blocks, 2, block, heads, head]``     block, kv, token, head, dim
+=================================  ======================================  =======================
 
 Both instances must have the same layout (the handshake compares ``layout_name``), so iterating the
 non-block dimensions in physical order enumerates the same logical elements on both sides, even
 when they hold different numbers of heads (TP). ``head_span_runs`` turns one (block, head span)
-into contiguous byte runs; ``pair_runs`` cuts a local and a remote run list into transfers.
+into contiguous byte runs; ``pair_runs`` cuts a local and a remote run list into transfers;
+``whole_block_bytes`` says whether a block is one contiguous run (what a store value copies).
 """
 
 from __future__ import annotations
@@ -140,8 +158,28 @@ def infer_roles(shape: tuple[int, ...], heads: int, head_size: int, use_mla: boo
     elif n == 5 and shape[1] == 2 and shape[3] == heads and shape[4] == head_size:
         return ("block", "kv", "token", "head", "dim")  # FlashInfer
     raise LayoutError(
-        f"KV cache shape {tuple(shape)} is not a layout MooncakeConnectorV1 knows "
-        f"({heads} KV heads of size {head_size} on this rank, MLA={use_mla}); known: CPU "
-        "[blocks, heads, block, 2*head], CUDA [2, blocks, block, heads, head], FlashInfer "
-        "[blocks, 2, block, heads, head], separate K and V [blocks, block, heads, head], MLA [blocks, block, dim]"
+        f"KV cache shape {tuple(shape)} is not a known layout "
+        f"({heads} KV heads of size {head_size} on this rank, MLA={use_mla}); known: vLLM 0.32 "
+        "[blocks, heads, block, 2*head], separate K and V [blocks, block, heads, head], MLA [blocks, block, dim], "
+        "older vLLM [2, blocks, block, heads, head] and FlashInfer [blocks, 2, block, heads, head]"
     )
+
+
+def whole_block_bytes(part: KVPart) -> int:
+    """Bytes of one block when each block is one contiguous run and blocks are the outermost
+    dimension (``[blocks, bytes]`` is then a view of the tensor, what a store value copies);
+    ``LayoutError`` otherwise (a copy would be read or written instead of the cache)."""
+    inner = 1
+    for role in part.physical_roles()[::-1]:  # innermost first
+        if part.size(role) > 1 and part.stride(role) != inner:
+            raise LayoutError(
+                f"KV tensor of shape {part.shape}, strides {part.strides} ({','.join(part.roles)}): a block's "
+                "bytes are not one contiguous run"
+            )
+        inner *= part.size(role)
+    if part.num_blocks > 1 and part.stride("block") != inner:
+        raise LayoutError(
+            f"KV tensor of shape {part.shape}, strides {part.strides} ({','.join(part.roles)}): blocks are not "
+            "the outermost dimension (each block's bytes are spread over the tensor)"
+        )
+    return inner * part.element_size
