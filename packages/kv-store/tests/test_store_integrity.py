@@ -1,4 +1,4 @@
-"""Value integrity (issue 15 §3, §5): xxh3 trailer, legacy crc32 values, optional keyed MAC."""
+"""Value integrity (issue 15 §3, §5): xxh3 trailer, old-format values refused, optional keyed MAC."""
 
 from __future__ import annotations
 
@@ -35,13 +35,6 @@ def test_parts_and_whole_values_carry_the_same_trailer():
     codec.seal_parts(parts, trailer, True)
     assert bytes(trailer) == bytes(sealed()[len(PAYLOAD) :])
     assert codec.check_parts(parts, trailer, len(PAYLOAD) + codec.TRAILER_SIZE) is None
-
-
-def test_values_written_by_the_crc32_version_are_still_verified():
-    legacy = bytearray(PAYLOAD + struct.pack("<4sIQ", b"KVS1", zlib.crc32(PAYLOAD), len(PAYLOAD)))
-    assert check(legacy) is None
-    legacy[5] ^= 0xFF
-    assert check(legacy).startswith("checksum mismatch")
 
 
 KEY = codec.mac_key_from_env("KV_TEST_MAC", {"KV_TEST_MAC": "a deployment secret of 32 bytes!"})
@@ -124,14 +117,46 @@ def test_a_value_of_another_layout_fails_its_check_with_equal_sizes(how):
     assert check(value, key=key) is not None  # an untagged reader does not take it either
 
 
-def test_untagged_values_of_earlier_versions_are_refused_by_a_tagged_reader():
-    legacy_crc = bytearray(PAYLOAD + struct.pack("<4sIQ", b"KVS1", zlib.crc32(PAYLOAD), len(PAYLOAD)))
-    legacy_none = bytearray(PAYLOAD + struct.pack("<4sIQ", b"KVS0", 0, len(PAYLOAD)))
-    for value in (legacy_crc, legacy_none):
-        assert check(value) is None
-        assert "untagged" in check(value, tag=LAYOUT_A)
-    plain = sealed()  # xxh3 without a seed: an earlier version's KVS3
+def _old_format(payload: bytes = PAYLOAD) -> list[bytearray]:
+    """Trailers of the unreleased formats without a layout tag: KVS1 (zlib crc32) and KVS0 (none)."""
+    return [bytearray(payload + struct.pack("<4sIQ", magic, check, len(payload)))
+            for magic, check in ((b"KVS1", zlib.crc32(payload)), (b"KVS0", 0))]
+
+
+def test_old_format_values_are_refused_by_every_reader():
+    for value in _old_format():
+        for kw in ({}, {"tag": LAYOUT_A}, {"key": KEY}, {"key": KEY, "tag": LAYOUT_A}):
+            why = check(value, **kw)
+            assert why is not None and "bad magic" in why, (bytes(value[-16:-12]), kw, why)
+    plain = sealed()  # xxh3 without a seed: a value sealed without the layout tag
     assert check(plain, tag=LAYOUT_A).startswith("checksum mismatch")
+
+
+def test_worker_refuses_an_old_format_value_as_a_miss():
+    """A block stored in an old format under this worker's key is a load error (recomputed), never
+    copied into the KV cache."""
+    torch = pytest.importorskip("torch")
+    from kv_common.embedded_backend import EmbeddedBackend
+    from kv_store import keys
+    from kv_store.config import StoreConnectorConfig
+    from kv_store.metadata import BlockTransfer, StorePlan
+    from kv_store.worker import StoreWorker
+
+    backend = EmbeddedBackend(16 << 20)
+    caches = {"l0": torch.randn(8, 2, 4, 8)}
+    worker = StoreWorker(backend=backend, namespace="ns", rank_tag="r0",
+                         config=StoreConnectorConfig(staging_bytes=1 << 16))
+    worker.register_kv_caches(caches)
+    worker.layout_tag = LAYOUT_A  # as StoreConnectorBase.check_manifest does
+    hashes = [bytes([i]) * 32 for i in range(1, 3)]
+    payload = bytes(worker.payload_size)
+    for key, value in zip(keys.block_keys("ns", "r0", hashes), _old_format(payload), strict=True):
+        assert backend.batch_put([key], [bytes(value)]) == [True]
+    before = caches["l0"][5:7].clone()
+    worker.load_sync(StorePlan(loads=[BlockTransfer(request_id="l", block_hashes=hashes, block_ids=[[5, 6]])]))
+    assert worker.ledger.take_block_ids_with_load_errors() == {5, 6}
+    assert torch.equal(caches["l0"][5:7], before)
+    worker.close(1)
 
 
 def test_the_tag_must_fit_64_bits():

@@ -10,8 +10,9 @@ silently wrong KV. Kinds of check (the magic says which one a value carries):
   who must not be able to plant KV: with a key configured only ``KVSM`` values with a valid tag are
   accepted (a value without a tag is refused too). About 0.3-1 GB/s: it costs real time.
 - ``KVSL``: no check (``checksum=False``); the length and the layout tag (below) stay.
-- ``KVS0`` (no check) and ``KVS1`` (zlib crc32): written by earlier versions; read only by a
-  reader without a layout tag (tag 0), since they cannot prove which layout wrote them.
+
+Any other magic (a foreign value, or an unreleased development format without the layout tag)
+is refused: a miss, recomputed.
 
 The layout tag: a 64-bit digest of every setting that changes a block's bytes (the namespace
 manifest's settings, ``manifest.layout_tag``). It seeds the xxh3, personalises the MAC and is
@@ -29,26 +30,15 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 from collections.abc import Sequence
 
 import xxhash
 
-try:  # pragma: no cover - depends on the environment
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover
-    _crc32 = zlib.crc32
-
-_MAGIC = struct.Struct("<4s")
-_TRAILER = struct.Struct("<4sQI")  # magic, 64-bit check, payload length (KVS3, KVSM)
-_LEGACY = struct.Struct("<4sIQ")  # magic, crc32 or 0, payload length (KVS1, KVS0)
+_TRAILER = struct.Struct("<4sQI")  # magic, 64-bit check (or the tag: KVSL), payload length
 TRAILER_SIZE = _TRAILER.size
-assert _LEGACY.size == TRAILER_SIZE
 MAGIC_XXH3 = b"KVS3"
 MAGIC_MAC = b"KVSM"
-MAGIC_NONE = b"KVS0"
 MAGIC_TAG_ONLY = b"KVSL"
-MAGIC_CRC32 = b"KVS1"
 MAX_PAYLOAD = (1 << 32) - 1
 VALUE_FORMAT = "layout-tagged"  # in the namespace manifest: untagged writers are another format
 MIN_KEY_BYTES = 16
@@ -81,13 +71,6 @@ def _digest(parts: Sequence[memoryview], key: bytes | None, tag: int) -> int:
     return h.intdigest()
 
 
-def _crc32_parts(parts: Sequence[memoryview]) -> int:
-    crc = 0
-    for part in parts:
-        crc = _crc32(part, crc)
-    return crc
-
-
 def _seal(trailer: memoryview, offset: int, parts: Sequence[memoryview], payload_size: int,
           checksum: bool, key: bytes | None, tag: int) -> None:
     if payload_size > MAX_PAYLOAD:
@@ -106,12 +89,8 @@ def _check(trailer: memoryview, offset: int, parts: Sequence[memoryview], payloa
            nbytes: int, key: bytes | None, tag: int) -> str | None:
     if nbytes != payload_size + TRAILER_SIZE:
         return f"size {nbytes} != expected {payload_size + TRAILER_SIZE}"
-    (magic,) = _MAGIC.unpack_from(trailer, offset)
-    if magic in (MAGIC_XXH3, MAGIC_MAC, MAGIC_TAG_ONLY):
-        _, check, length = _TRAILER.unpack_from(trailer, offset)
-    elif magic in (MAGIC_NONE, MAGIC_CRC32):
-        _, check, length = _LEGACY.unpack_from(trailer, offset)
-    else:
+    magic, check, length = _TRAILER.unpack_from(trailer, offset)
+    if magic not in (MAGIC_XXH3, MAGIC_MAC, MAGIC_TAG_ONLY):
         return f"bad magic {magic!r}"
     if length != payload_size:
         return f"trailer length {length} != {payload_size}"
@@ -123,13 +102,7 @@ def _check(trailer: memoryview, offset: int, parts: Sequence[memoryview], payloa
         return "MAC-sealed value but no MAC key configured"
     if magic == MAGIC_XXH3:
         return None if _digest(parts, None, tag) == check else "checksum mismatch"
-    if magic == MAGIC_TAG_ONLY:
-        return None if check == tag else "layout tag mismatch"
-    if tag:  # an earlier version's value: nothing in it says which layout wrote it
-        return f"untagged value (magic {magic!r}, an earlier version's format) while a layout tag is set"
-    if magic == MAGIC_CRC32:
-        return None if _crc32_parts(parts) == check else "checksum mismatch"
-    return None  # MAGIC_NONE
+    return None if check == tag else "layout tag mismatch"  # MAGIC_TAG_ONLY
 
 
 def write_trailer(value: memoryview, payload_size: int, checksum: bool, key: bytes | None = None,
