@@ -176,7 +176,7 @@ def measure(block_bytes: int, total_bytes: int, reps: int, verify_kv: bool = Fal
     conn = _public_connector(decode)
     done_events: dict[str, threading.Event] = {}
     done_at: dict[str, float] = {}
-    send_done = decode.puller._send_done
+    send_done = decode.puller.messenger._send_done
 
     def timed_send_done(owed):  # the PullDone the prefill acknowledged ends the connector's timer
         send_done(owed)
@@ -186,7 +186,7 @@ def measure(block_bytes: int, total_bytes: int, reps: int, verify_kv: bool = Fal
             if rid in done_events:
                 done_events[rid].set()
 
-    decode.puller._send_done = timed_send_done
+    decode.puller.messenger._send_done = timed_send_done
     out = Measured()
     try:
         caches = _kv_caches(block_bytes, num_blocks, pattern=False)
@@ -231,7 +231,7 @@ def measure(block_bytes: int, total_bytes: int, reps: int, verify_kv: bool = Fal
                 return max(t_fin, done_at[rid]) - t0, t_fin - t0
 
             def raw(method: str, remote_ids: list[int] = remote_ids, raw_ids: list[int] = raw_ids, pull=pull) -> float:
-                hs = next(iter(decode.puller._handshakes.values()))
+                hs = next(iter(decode.puller.messenger._handshakes.values()))
                 local, remote, lengths = [], [], []
                 for li, name in enumerate(decode.cache.layer_names):  # type: ignore[union-attr]
                     ri = hs.layer_names.index(name)

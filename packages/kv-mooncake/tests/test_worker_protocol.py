@@ -174,7 +174,7 @@ def test_done_is_retried_until_a_slow_prefill_answers(prefill, monkeypatch):
     decode = MooncakeWorker(MooncakeConfig(lease_s=3.0), engine_id="D", is_producer=False, is_consumer=True,
                             side_channel_port=_free_port(), engine_factory=FakeTransferEngine)
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0])]))
-    real = decode.puller._client.request
+    real = decode.puller.messenger._client.request
     calls = []
 
     def flaky(address, message, *args, **kwargs):
@@ -183,8 +183,8 @@ def test_done_is_retried_until_a_slow_prefill_answers(prefill, monkeypatch):
             raise side_channel.SideChannelTimeout("starved")
         return real(address, message, *args, **kwargs)
 
-    monkeypatch.setattr(decode.puller._client, "request", flaky)
-    decode.puller._notify(prefill.server.address, P.PullDone(request_id="r", reader_id="d", ok=True))
+    monkeypatch.setattr(decode.puller.messenger._client, "request", flaky)
+    decode.puller.messenger._notify(prefill.server.address, P.PullDone(request_id="r", reader_id="d", ok=True))
     assert calls == ["PullDone"] * 3
     assert _finished(prefill) == {"r"}
     decode.close()

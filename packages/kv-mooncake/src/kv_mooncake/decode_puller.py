@@ -5,8 +5,8 @@ and reads from every prefill rank in parallel, each rank on its own queue behind
 (``peer_health``), with a deadline. Blocks are read a batch at a time under a lease the pull renews;
 the blocks not read become load errors so vLLM's ``kv_load_failure_policy`` decides, and the
 request is reported finished either way, before the DONE / FreeNow owed to the prefill ranks goes
-out. Accepted requests keep their prefill hold alive (``HoldKeepAlive``) until their pull takes a
-lease. With ``verify_kv`` each read batch is checked against the prefill's per-head digests.
+out. With ``verify_kv`` each read batch is checked against the prefill's per-head digests. What is
+said to the prefill ranks (handshakes, leases, DONE / FreeNow, keep-alives) is ``prefill_messenger``'s.
 """
 
 from __future__ import annotations
@@ -16,23 +16,22 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from kv_common.failure_ledger import FailureLedger
 from kv_common.kv_layout import KVPart, LayoutError, head_span_runs, pair_runs
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
 
 from kv_mooncake import protocol as P
-from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.kv_digest import head_digests
 from kv_mooncake.local_cache import LocalCache, head_ranges
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
-from kv_mooncake.peer_health import PeerBreaker, PeerQueues
+from kv_mooncake.peer_health import PeerQueues
+from kv_mooncake.prefill_messenger import PrefillMessenger, peer_address
+from kv_mooncake.pull_errors import PeerDown, PullFailed
 from kv_mooncake.pull_plan import (
     DecodeLayout,
     DecodeRank,
@@ -44,16 +43,9 @@ from kv_mooncake.pull_plan import (
     request_seed,
 )
 
+__all__ = ["PULL_BATCH_BLOCKS", "DecodePuller", "PeerDown", "PullFailed", "check_peer", "remote_parts", "transfer_ranges"]
+
 logger = get_logger(__name__)
-
-
-class PullFailed(RuntimeError):
-    pass
-
-
-class PeerDown(PullFailed):
-    """The prefill rank is presumed down: failed without waiting for it."""
-
 
 PULL_BATCH_BLOCKS = 16  # blocks per TE read batch: the granularity of a partial pull's report
 
@@ -152,7 +144,7 @@ def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, p
 
 
 class DecodePuller:
-    """One decode rank's pulls, and the messages it owes the prefill ranks."""
+    """One decode rank's pulls: plan, read with the TransferEngine, verify, report to vLLM."""
 
     def __init__(
         self,
@@ -171,47 +163,31 @@ class DecodePuller:
         self.decode_rank, self.decode_layout = decode_rank, decode_layout
         self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
         self.stats, self.ledger = stats, ledger
+        self.messenger = PrefillMessenger(config, reader_id=reader_id, decode_rank=decode_rank)
         self._lock = threading.Lock()
         self._finished: set[str] = set()  # pulls finished since the last ``take_finished`` (finished_recving)
         self._pending_pulls: set[str] = set()
-        self._handshakes: dict[tuple[str, str], P.HandshakeReply] = {}
         self._run_cache: dict[tuple, list[tuple[int, int, int]]] = {}  # paired byte runs per layout pair
         # Set when the KV cache is registered.
         self.cache: LocalCache | None = None
-        self.compatibility: P.Compatibility | None = None
         self.te: Any = None
-        # Without ``start_threads`` (a kv_producer-only rank) pulls and frees still run, inline.
+        # Without ``start_threads`` (a kv_producer-only rank) pulls still run, inline.
         self._queues: PeerQueues | None = None  # one pull queue per prefill rank
-        self._notifier: ThreadPoolExecutor | None = None  # DONE / FreeNow delivery, off the pull threads
-        # Hold heartbeats on their own thread: one to a frozen prefill must not delay a DONE.
-        self._heartbeats: ThreadPoolExecutor | None = None
-        self._heartbeats_queued: set[str] = set()
-        self._breaker = PeerBreaker()  # prefill ranks presumed down fail fast
-        # Kept-open connections to the prefill ranks: a new one per message cost ~5 ms per pull.
-        self._client = side_channel.SideChannelClient(P.REPLY_TYPES, config.max_message_bytes)
 
     def attach(self, cache: LocalCache, compatibility: P.Compatibility, te: Any) -> None:
-        self.cache, self.compatibility, self.te = cache, compatibility, te
+        self.cache, self.te = cache, te
+        self.messenger.compatibility = compatibility
 
     def start_threads(self) -> None:
         self._queues = PeerQueues(self.config.num_pull_threads, name="mooncake-pull")
-        self._notifier = ThreadPoolExecutor(2, thread_name_prefix="mooncake-done")
-        self._heartbeats = ThreadPoolExecutor(1, thread_name_prefix="mooncake-heartbeat")
+        self.messenger.start_threads()
 
     # ---- per step ----------------------------------------------------------------------------
     def start_step(self, step: MooncakeStep) -> None:
         for source in step.keepalives:
-            if self._heartbeats is not None and self.decode_rank == DecodeRank(0):
-                with self._lock:  # one queued heartbeat per request: a silent peer cannot pile them up
-                    queued = source.request_id in self._heartbeats_queued
-                    self._heartbeats_queued.add(source.request_id)
-                if not queued:
-                    self._heartbeats.submit(self._keep_alive, source)
+            self.messenger.keep_alive(source, self._layouts(source))
         for source in step.frees:
-            if self._notifier is not None:
-                self._notifier.submit(self._tell_free, source)
-            else:  # kv_producer only: still answer the protocol, inline
-                self._tell_free(source)
+            self.messenger.free_now(source, self._layouts(source))
         for pull in step.pulls:
             with self._lock:
                 self._pending_pulls.add(pull.request_id)
@@ -228,59 +204,6 @@ class DecodePuller:
             return len(self._pending_pulls)
 
     # ---- pulls -------------------------------------------------------------------------------
-    def _request(self, address: str, message: msgspec.Struct, timeout_s: float) -> msgspec.Struct:
-        return self._client.request(address, message, max(0.05, timeout_s))
-
-    def _peer_address(self, source: RemoteSource, rank: PrefillRank, layout: PrefillLayout) -> str:
-        return f"{source.host}:{source.port + rank.index(layout)}"
-
-    def _handshake(self, address: str, engine_id: str, deadline: float) -> P.HandshakeReply:
-        key = (address, engine_id)
-        cached = self._handshakes.get(key)
-        if cached is not None:
-            return cached
-        assert self.compatibility is not None
-        msg = P.Handshake(engine_id=engine_id, compatibility=self.compatibility, reader_id=self.reader_id)
-        reply = self._until(deadline, address,
-                            lambda left: self._request(address, msg, min(left, self.config.handshake_timeout_s)))
-        if not isinstance(reply, P.HandshakeReply):
-            raise PullFailed(f"handshake with {address} failed: {getattr(reply, 'reason', reply)}")
-        if reply.heads_on_rank < 1 or len(reply.layer_names) != len(reply.base_addresses) or \
-                len(reply.block_bytes) != len(reply.layer_names):
-            raise PullFailed(f"malformed handshake reply from {address}")
-        # Both sides compare: a prefill that skipped the check must not be read either.
-        diff = self.compatibility.differences(reply.compatibility)
-        if diff:
-            raise PullFailed(f"handshake with {address}: incompatible KV caches: " + "; ".join(diff))
-        self._handshakes[key] = reply
-        return reply
-
-    def _until(self, deadline: float, address: str, call: Callable[[float], msgspec.Struct]) -> msgspec.Struct:
-        """Repeat ``call`` while the peer answers Refused(retry=True) or not at all, until the deadline.
-        A peer silent until the deadline is presumed down (``PeerBreaker``); a pull waiting on a peer
-        that another pull found down gives up at once."""
-        delay = 0.005
-        while True:
-            if self._breaker.is_open(address):
-                raise PeerDown(f"{address} presumed down (silent for a whole pull); it is probed again later")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PullFailed("deadline passed")
-            try:
-                reply = call(left)
-            except side_channel.SideChannelTimeout:
-                # A busy prefill (its side-channel thread starved on a shared core) gets until the
-                # pull's deadline, not just one request's timeout; the request is idempotent.
-                if deadline - time.monotonic() <= 0:
-                    self._breaker.silent(address)
-                    raise
-                continue
-            self._breaker.answered(address)
-            if not (isinstance(reply, P.Refused) and reply.retry):
-                return reply
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.1)
-
     def _layouts(self, source: RemoteSource) -> PrefillLayout:
         return PrefillLayout(tp_size=source.tp_size, total_kv_heads=self.total_kv_heads,
                              pcp_size=source.pcp_size, dcp_size=source.dcp_size, use_mla=self.use_mla)
@@ -305,7 +228,7 @@ class DecodePuller:
             self._finish(job)
             return
         for pull in job.pulls:
-            address = self._peer_address(req.source, pull.source, job.prefill)
+            address = peer_address(req.source, pull.source, job.prefill)
             if self._queues is None:  # kv_producer only: still answer the protocol, inline
                 self._pull_rank(job, pull, address)
                 continue
@@ -318,8 +241,7 @@ class DecodePuller:
         read: set[int] = set()  # local block positions fully read from this rank
         nbytes, error = 0, None
         try:
-            if not self._breaker.allow(address):
-                raise PeerDown(f"{address} presumed down (silent for a whole pull); it is probed again later")
+            self.messenger.check_not_down(address)
             nbytes = self._pull_from_rank(job, pull, address, read)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
             error = exc
@@ -354,91 +276,28 @@ class DecodePuller:
             unread = sorted(job.unread)
             self.ledger.record_failed_load(req.request_id, [[g[p] for p in unread if p < len(g)]
                                                             for g in req.local_block_ids])
-            self._handshakes = {k: v for k, v in self._handshakes.items() if k[1] != source.engine_id}
-        # Always DONE, also after a failure: the prefill must not wait for us until expiry.
-        owed: list[tuple[str, msgspec.Struct]] = []
-        if not job.counts:
-            # No plan: nobody will read any rank. Every decode rank that gets here says so (FreeNow is
-            # idempotent), so the prefill frees now even if decode rank 0 is gone.
-            for rank in job.prefill.ranks():
-                owed.append((self._peer_address(source, rank, job.prefill),
-                             P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
-        for rank, n in job.counts.items():
-            if n == 0 and self.decode_rank == DecodeRank(0):  # one decode rank tells the idle ranks
-                owed.append((self._peer_address(source, rank, job.prefill),
-                             P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
-        for pull in job.pulls:
-            owed.append((self._peer_address(source, pull.source, job.prefill),
-                         P.PullDone(request_id=source.request_id, reader_id=self.reader_id,
-                                    ok=pull.source not in job.failed_ranks, expected_readers=job.counts[pull.source])))
+            self.messenger.forget_handshakes(source.engine_id)
         with self._lock:
             self._pending_pulls.discard(req.request_id)
             self._finished.add(req.request_id)
-        if not owed:
-            return
-        if self._notifier is None:
-            self._send_done(owed)
-        else:
-            try:
-                self._notifier.submit(self._send_done, owed)
-            except RuntimeError:  # shutting down
-                self._send_done(owed)
-
-    def _send_done(self, owed: list[tuple[str, msgspec.Struct]]) -> None:
-        for address, message in owed:
-            self._notify(address, message)
-
-    def _notify(self, address: str, message: msgspec.Struct) -> None:
-        """Deliver a DONE / FreeNow, retrying for up to ``lease_s``: a busy prefill (its side channel
-        thread starved on a loaded host) must not keep the blocks until expiry because one answer
-        came late. DONE and FreeNow are idempotent on the prefill, so a repeat is harmless. A peer
-        presumed down (``PeerBreaker``) gets one short try per message."""
-        now = time.monotonic()
-        presumed_dead = self._breaker.state(address) != "closed"
-        give_up = now + (0.0 if presumed_dead else self.config.lease_s)
-        timeout = 0.2 if presumed_dead else min(1.0, self.config.handshake_timeout_s)
-        while True:
-            try:
-                self._request(address, message, timeout)
-                self._breaker.answered(address)
-                return
-            except side_channel.SideChannelError as exc:
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    if isinstance(exc, side_channel.SideChannelTimeout) and not presumed_dead:
-                        self._breaker.silent(address)
-                    self._client.forget(address)
-                    logger.warning("MooncakeConnectorV1: %s to %s not delivered: %s",
-                                   type(message).__name__, address, exc)
-                    return
-                timeout = min(2 * timeout, self.config.handshake_timeout_s, max(0.05, left))
+        self.messenger.pull_finished(source, job.prefill, job.counts, job.pulls, job.failed_ranks)
 
     def _pull_from_rank(self, job: _PullJob, pull: RankPull, address: str, read: set[int]) -> int:
         req, deadline = job.req, job.deadline
         source = req.source
-        hs = self._handshake(address, source.engine_id, deadline)
+        hs = self.messenger.handshake(address, source.engine_id, deadline)
         block_ids = sorted({source.block_ids[src_pos] for src_pos, _ in pull.blocks})
         started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id,
                                 expected_readers=job.counts[pull.source], block_ids=block_ids)
-        reply = self._until(deadline, address,
-                            lambda left: self._request(address, started, min(left, self.config.handshake_timeout_s)))
-        if not isinstance(reply, P.Ack):
-            raise PullFailed(f"{address} refused the pull: {getattr(reply, 'reason', reply)}")
+        reply = self.messenger.take_lease(address, started, deadline)
         digests = self._expected_digests(reply, block_ids, hs, address) if self.config.verify_kv else None
-        renew = P.LeaseRenew(request_id=source.request_id, reader_id=self.reader_id)
-        last_renew = [time.monotonic()]
+        renew_lease = self.messenger.lease_renewer(address, source.request_id, deadline)
         delay = self.config.debug_pull_chunk_delay_s
 
         def on_chunk() -> None:  # keep the lease alive during long pulls
             if delay:
                 time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-            if time.monotonic() - last_renew[0] > self.config.lease_s / 3:
-                last_renew[0] = time.monotonic()
-                # A starved prefill answers late: retry until the pull's deadline, never fail early.
-                reply = self._until(deadline, address, lambda left: self._request(
-                    address, renew, min(left, self.config.handshake_timeout_s)))
-                if not isinstance(reply, P.Ack):
-                    raise PullFailed(f"{address} refused the lease renewal: {getattr(reply, 'reason', reply)}")
+            renew_lease()
 
         if delay:  # test-only: a window in which the lease is taken but no byte has moved
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
@@ -502,36 +361,7 @@ class DecodePuller:
                     raise PullFailed(f"verify_kv: KV of remote block {remote_block} (heads {span.src_head}.."
                                      f"{span.src_head + span.num_heads - 1}) differs from the prefill's digest")
 
-    def _keep_alive(self, source: RemoteSource) -> None:
-        """One short try per prefill rank: the next heartbeat comes a third of a lease later."""
-        with self._lock:
-            self._heartbeats_queued.discard(source.request_id)
-        prefill = self._layouts(source)
-        message = P.HoldKeepAlive(request_id=source.request_id, reader_id=self.reader_id)
-        for rank in prefill.ranks():
-            address = self._peer_address(source, rank, prefill)
-            if self._breaker.state(address) != "closed":
-                continue  # presumed down: its pulls fail fast anyway
-            try:
-                self._request(address, message, min(1.0, self.config.lease_s / 3, self.config.handshake_timeout_s))
-                self._breaker.answered(address)
-            except side_channel.SideChannelError as exc:
-                logger.debug("MooncakeConnectorV1: keep-alive to %s not delivered: %s", address, exc)
-
-    def _tell_free(self, source: RemoteSource) -> None:
-        """Nothing will be pulled for this request (aborted, or a full local hit): free it there."""
-        prefill = self._layouts(source)
-        if self.decode_rank != DecodeRank(0):
-            return
-        for rank in prefill.ranks():
-            self._notify(self._peer_address(source, rank, prefill),
-                         P.FreeNow(request_id=source.request_id, reader_id=self.reader_id))
-
     def close(self) -> None:
         if self._queues is not None:
             self._queues.close(cancel=True)
-        if self._heartbeats is not None:
-            self._heartbeats.shutdown(wait=True, cancel_futures=True)
-        if self._notifier is not None:
-            self._notifier.shutdown(wait=True)  # owed DONEs go out (each bounded by lease_s)
-        self._client.close()
+        self.messenger.close()
