@@ -4,7 +4,16 @@ import pickle
 import threading
 
 import pytest
-from kv_common.stats import MAX_DURATION_SAMPLES, TransferStatsBase, make_vllm_stats_class
+from kv_common.stats import (
+    MAX_DURATION_SAMPLES,
+    PromCounter,
+    PromHistogram,
+    TransferStatsBase,
+    build_prom_metrics,
+    counter,
+    failures_total,
+    make_vllm_stats_class,
+)
 
 
 def test_accumulates_and_reduces():
@@ -121,3 +130,36 @@ def test_vllm_logging_path_uses_reduce():
     assert not stats.is_empty()
     line = ", ".join(f"{k}={v}" for k, v in stats.reduce().items())
     assert "throughput_gb_s=2.0" in line
+
+
+def test_prom_metrics_are_fed_from_the_stats_dict_per_engine():
+    pytest.importorskip("vllm")
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+
+    def bind(cls):  # register into a private registry, like vLLM's own metric wrappers
+        return lambda *a, **kw: cls(*a, registry=registry, **kw)
+
+    prom = build_prom_metrics(
+        type("VllmConfig", (), {"kv_transfer_config": None})(),
+        {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)},
+        ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]},
+        counters=[PromCounter("vllm:probe_retries", "Retries.", counter("retries")),
+                  PromCounter("vllm:probe_failures", "Failures.", failures_total)],
+        histograms=[PromHistogram("vllm:probe_seconds", "Latency.", [0.1, 1.0], lambda d: d.get("durations_s") or ())],
+    )
+    acc = TransferStatsBase()
+    acc.incr("retries", 2)
+    acc.record_failure("timeout")
+    acc.record_failure("corrupt")
+    acc.record_transfer(10, 0.05)
+    prom.observe(acc.to_dict(), 1)
+    prom.observe({}, 0)  # an empty dict increments nothing
+    one, zero = {"model_name": "m", "engine": "1"}, {"model_name": "m", "engine": "0"}
+    value = registry.get_sample_value
+    assert value("vllm:probe_retries_total", one) == 2
+    assert value("vllm:probe_failures_total", one) == 2
+    assert value("vllm:probe_seconds_bucket", {**one, "le": "0.1"}) == 1
+    assert value("vllm:probe_retries_total", zero) == 0
+    assert value("vllm:probe_seconds_count", zero) == 0

@@ -2,14 +2,16 @@
 
 The accumulator knows nothing of vLLM, so it is testable alone. vLLM moves connector stats from the
 workers to the logger as ``KVConnectorStats`` objects whose ``data`` is a plain dict (pickled or
-msgpack'd across processes); ``make_vllm_stats_class`` wraps the accumulator's dict in one.
+msgpack'd across processes); ``make_vllm_stats_class`` wraps the accumulator's dict in one, and
+``build_prom_metrics`` turns the same dicts into Prometheus counters and histograms.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 MAX_DURATION_SAMPLES = 4096  # per reporting interval: enough for p99, bounded memory
 
@@ -174,3 +176,74 @@ def make_vllm_stats_class(
             "build": classmethod(build),
         },
     )
+
+
+class PromCounter(NamedTuple):
+    """A Prometheus counter fed from each stats dict ``data``: incremented by ``read(data)``."""
+
+    name: str  # the full metric name, e.g. "vllm:mooncake_pulls" (prometheus_client adds _total)
+    documentation: str
+    read: Callable[[Mapping[str, Any]], float]
+
+
+class PromHistogram(NamedTuple):
+    """A Prometheus histogram observing every value of ``read(data)`` (e.g. a transfer's seconds)."""
+
+    name: str
+    documentation: str
+    buckets: Sequence[float]
+    read: Callable[[Mapping[str, Any]], Iterable[float]]
+
+
+def counter(name: str) -> Callable[[Mapping[str, Any]], float]:
+    """Reads ``TransferStatsBase.incr``'s counter ``name`` from a stats dict."""
+    return lambda data: (data.get("counters") or {}).get(name, 0)
+
+
+def failures_total(data: Mapping[str, Any]) -> float:
+    """Every ``record_failure`` of a stats dict, of any kind."""
+    return sum((data.get("failures") or {}).values())
+
+
+def build_prom_metrics(
+    vllm_config: Any, metric_types: Mapping[Any, Any], labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]], *,
+    counters: Sequence[PromCounter], histograms: Sequence[PromHistogram] = (),
+) -> Any:
+    """A ``KVConnectorPromMetrics`` (what ``KVConnectorBase_V1.build_prom_metrics`` returns) that
+    feeds ``counters`` and ``histograms`` from the ``KVConnectorStats`` data vLLM logs. The metric
+    classes come from ``metric_types`` (vLLM's, bound to its registry), one child per engine."""
+    from prometheus_client import Counter, Histogram
+
+    from kv_common.vllm_compat import metrics_module
+
+    base: Any = metrics_module().KVConnectorPromMetrics
+
+    def per_engine(metric: Any) -> dict[int, Any]:  # as vllm.v1.metrics.utils.create_metric_per_engine
+        return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+    class ConnectorPromMetrics(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            counter_cls, histogram_cls = metric_types[Counter], metric_types[Histogram]
+            self.counters = [
+                (c, per_engine(counter_cls(name=c.name, documentation=c.documentation, labelnames=labelnames)))
+                for c in counters
+            ]
+            self.histograms = [
+                (h, per_engine(histogram_cls(name=h.name, documentation=h.documentation, buckets=list(h.buckets),
+                                             labelnames=labelnames)))
+                for h in histograms
+            ]
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            data = transfer_stats_data or {}
+            for c, metric in self.counters:
+                value = c.read(data)
+                if value:
+                    metric[engine_idx].inc(value)
+            for h, metric in self.histograms:
+                for value in h.read(data) or ():
+                    metric[engine_idx].observe(value)
+
+    return ConnectorPromMetrics()

@@ -7,9 +7,19 @@ latency samples, so a log line shows both directions.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kv_common.stats import MAX_DURATION_SAMPLES, TransferStatsBase, _percentile
+from kv_common.stats import (
+    MAX_DURATION_SAMPLES,
+    PromCounter,
+    PromHistogram,
+    TransferStatsBase,
+    _percentile,
+    counter,
+    failures_total,
+)
+from kv_common.stats import build_prom_metrics as _build_prom_metrics
 
 
 class StoreStats(TransferStatsBase):
@@ -90,7 +100,7 @@ def __getattr__(name: str) -> Any:
 
 
 _LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
-# metric suffix -> counter in the stats dict ("counters" unless noted)
+# metric suffix -> documentation; each reads the counter of that name in the stats dict
 _PROM_COUNTERS = {
     "lookup_hits": "Store lookups that found blocks beyond the local prefix cache.",
     "lookup_misses": "Store lookups that found nothing to load.",
@@ -110,6 +120,11 @@ _PROM_COUNTERS = {
 }
 
 
+def _durations(op: str) -> Callable[[Mapping[str, Any]], Iterable[float]]:
+    """Reads ``StoreStats``' put or get latency samples from a stats dict."""
+    return lambda data: data.get(f"{op}_durations_s") or ()
+
+
 def build_prom_metrics(
     connector_name: str, vllm_config: Any, metric_types: dict, labelnames: list[str],
     per_engine_labelvalues: dict[int, list[object]],
@@ -120,53 +135,12 @@ def build_prom_metrics(
     stats it observes registered Prometheus metrics, so a store connector beside one that has them
     (MooncakeConnectorV1) would otherwise crash the engine's stats logging on its first stats.
     """
-    from kv_common.vllm_compat import metrics_module
-    from prometheus_client import Counter, Histogram
-
-    KVConnectorPromMetrics: Any = metrics_module().KVConnectorPromMetrics  # noqa: N806 (vLLM's, known at run time)
-
-    def create_metric_per_engine(metric: Any, labelvalues: dict[int, list[object]]) -> dict[int, Any]:
-        return {idx: metric.labels(*values) for idx, values in labelvalues.items()}  # as vLLM's helper
-
     prefix = "vllm:" + "".join(c if c.isalnum() else "_" for c in connector_name.lower())
-
-    class StorePromMetrics(KVConnectorPromMetrics):
-        def __init__(self) -> None:
-            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            counter_cls, histogram_cls = metric_types[Counter], metric_types[Histogram]
-            self.counters = {
-                key: create_metric_per_engine(
-                    counter_cls(name=f"{prefix}_{key}", documentation=doc, labelnames=labelnames),
-                    per_engine_labelvalues,
-                )
-                for key, doc in _PROM_COUNTERS.items()
-            }
-            self.failures = create_metric_per_engine(
-                counter_cls(name=f"{prefix}_failures", documentation="Store failures of any kind.",
-                            labelnames=labelnames),
-                per_engine_labelvalues,
-            )
-            self.latency = {
-                op: create_metric_per_engine(
-                    histogram_cls(name=f"{prefix}_{op}_seconds", documentation=f"Store {op} latency (seconds).",
-                                  buckets=_LATENCY_BUCKETS, labelnames=labelnames),
-                    per_engine_labelvalues,
-                )
-                for op in ("put", "get")
-            }
-
-        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-            data = transfer_stats_data or {}
-            counters = data.get("counters") or {}
-            for key in _PROM_COUNTERS:
-                value = counters.get(key, 0)
-                if value:
-                    self.counters[key][engine_idx].inc(value)
-            failed = sum((data.get("failures") or {}).values())
-            if failed:
-                self.failures[engine_idx].inc(failed)
-            for op in ("put", "get"):
-                for seconds in data.get(f"{op}_durations_s") or ():
-                    self.latency[op][engine_idx].observe(seconds)
-
-    return StorePromMetrics()
+    counters = [PromCounter(f"{prefix}_{key}", doc, counter(key)) for key, doc in _PROM_COUNTERS.items()]
+    counters.append(PromCounter(f"{prefix}_failures", "Store failures of any kind.", failures_total))
+    histograms = [
+        PromHistogram(f"{prefix}_{op}_seconds", f"Store {op} latency (seconds).", _LATENCY_BUCKETS, _durations(op))
+        for op in ("put", "get")
+    ]
+    return _build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                               counters=counters, histograms=histograms)
