@@ -4,7 +4,8 @@ A producer (prefill instance) must not free a finished request's KV blocks while
 still read them, yet must not keep them forever when a consumer dies. Each held request has a
 deadline; each reader that starts a pull takes a lease it renews while the pull runs. Blocks are
 freed when every expected reader said ``done``, when the deadline passed and no lease is current,
-or on abort. ``free_fn`` runs exactly once per request, outside the lock.
+or on abort. ``free_fn`` runs exactly once per request, outside the lock. All that is kept about a
+held request is one ``HeldRequest``: freeing it removes it whole.
 """
 
 from __future__ import annotations
@@ -22,14 +23,28 @@ logger = get_logger(__name__)
 FreeReason = Literal["done", "expired", "aborted"]
 
 
-@dataclass
-class _Hold:
+@dataclass(frozen=True, eq=False)
+class HeldBlocks:
+    """A held request's blocks: what a reader may read, and (``verify_kv``) their digests."""
+
+    num_blocks: int = 0
+    block_ids: frozenset[int] = frozenset()
+    digests: dict[int, list[int]] | None = None  # block id -> one digest per head
+
+
+@dataclass(eq=False)
+class HeldRequest:
+    """Everything kept about one held request; it goes, in one piece, when the blocks are freed."""
+
     expected_done: int
     deadline: float
     ttl_s: float
     created: float = 0.0
+    blocks: HeldBlocks = field(default_factory=HeldBlocks)
+    readers_known: bool = False  # a reader announced how many readers to wait for
     readers_done: set[str] = field(default_factory=set)
-    leases: dict[str, float] = field(default_factory=dict)  # reader in flight -> lease deadline
+    # Reader in flight (between its PullStarted and its DONE) -> its lease's deadline.
+    leases: dict[str, float] = field(default_factory=dict)
     aborted: bool = False
 
     def has_current_lease(self, now: float) -> bool:
@@ -45,9 +60,9 @@ class DelayedFreeTracker:
         self._free_fn = free_fn
         self._clock = clock
         self._lock = threading.Lock()
-        self._holds: dict[str, _Hold] = {}
+        self._holds: dict[str, HeldRequest] = {}
 
-    def hold(self, request_id: str, expected_done: int, ttl_s: float) -> None:
+    def hold(self, request_id: str, expected_done: int, ttl_s: float, blocks: HeldBlocks | None = None) -> None:
         """Keep ``request_id``'s blocks until ``expected_done`` distinct readers finish or ``ttl_s`` passes."""
         if expected_done <= 0:  # nobody will read: nothing to wait for
             self._free([(request_id, "done")])
@@ -56,20 +71,31 @@ class DelayedFreeTracker:
         with self._lock:
             current = self._holds.get(request_id)
             if current is None:
-                self._holds[request_id] = _Hold(expected_done, now + ttl_s, ttl_s, created=now)
+                self._holds[request_id] = HeldRequest(expected_done, now + ttl_s, ttl_s, created=now,
+                                                      blocks=blocks or HeldBlocks())
                 return
             # Held twice (e.g. a retried finish): keep the readers seen, widen the limits.
             current.expected_done = max(current.expected_done, expected_done)
             current.deadline = max(current.deadline, now + ttl_s)
+            if blocks is not None:
+                current.blocks = blocks
             logger.debug("request %s held again", request_id)
 
-    def expect(self, request_id: str, expected_done: int) -> None:
-        """Raise the number of readers to wait for (learned from the first reader). Leaves the
-        deadline alone: a hold a client shortened stays short."""
+    def expect_readers(self, request_id: str, expected_done: int) -> None:
+        """The number of readers to wait for, as the first reader announces it (the producer cannot
+        know it earlier); later announcements change nothing. Leaves the deadline alone: a hold a
+        client shortened stays short."""
         with self._lock:
             hold = self._holds.get(request_id)
-            if hold is not None:
+            if hold is not None and not hold.readers_known:
+                hold.readers_known = True
                 hold.expected_done = max(hold.expected_done, expected_done)
+
+    def blocks(self, request_id: str) -> HeldBlocks | None:
+        """The blocks held for ``request_id``; None when it is not held (yet, or any more)."""
+        with self._lock:
+            hold = self._holds.get(request_id)
+            return None if hold is None else hold.blocks
 
     def keep_alive(self, request_id: str, extend_s: float, limit_s: float) -> bool:
         """A reader will come (it waits on its side): move the deadline to ``now + extend_s``, but never
@@ -166,6 +192,16 @@ class DelayedFreeTracker:
     def held(self) -> set[str]:
         with self._lock:
             return set(self._holds)
+
+    def counts(self) -> dict[str, int]:
+        """What the holds keep, for the leak report: blocks, requests, readers in flight."""
+        with self._lock:
+            holds = list(self._holds.values())
+            return {
+                "held_blocks": sum(h.blocks.num_blocks for h in holds),
+                "held_requests": len(holds),
+                "active_reads": sum(len(h.leases) for h in holds),
+            }
 
     def __contains__(self, request_id: object) -> bool:
         with self._lock:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -22,7 +24,7 @@ from kv_common.stats import TransferStatsBase
 
 from kv_mooncake import protocol as P
 from kv_mooncake.config import MooncakeConfig
-from kv_mooncake.delayed_free import DelayedFreeTracker
+from kv_mooncake.delayed_free import DelayedFreeTracker, HeldBlocks
 from kv_mooncake.kv_digest import head_digests
 from kv_mooncake.local_cache import LocalCache, head_ranges
 from kv_mooncake.pull_plan import PrefillLayout
@@ -32,8 +34,18 @@ logger = get_logger(__name__)
 _RECENT = 4096  # remembered freed / early-signalled requests (bounded)
 
 
+@dataclass
+class _Overtaken:
+    """The DONEs / FreeNow that came before their request's hold, applied when the hold comes."""
+
+    readers_done: set[str] = field(default_factory=set)
+    expected_readers: int = 1  # as those DONEs announced it
+    free_now: bool = False
+
+
 class PrefillHolder:
-    """One prefill rank's held requests and its answers to the readers."""
+    """One prefill rank's held requests and its answers to the readers. What is kept about a held
+    request is its one record in ``tracker``; here only what comes before a hold or outlives it."""
 
     def __init__(self, config: MooncakeConfig, *, engine_id: str, prefill_layout: PrefillLayout,
                  stats: TransferStatsBase):
@@ -43,15 +55,8 @@ class PrefillHolder:
         self.stats = stats
         self._lock = threading.Lock()
         self._freed: set[str] = set()  # freed since the last ``take_freed`` (vLLM's finished_sending)
-        self._held_blocks: dict[str, int] = {}
-        self._held_block_ids: dict[str, frozenset[int]] = {}  # what a reader may read, per request
-        self._active_reads: set[tuple[str, str]] = set()  # (request, reader) between PullStarted and PullDone
-        self._expected_known: set[str] = set()
-        self._recently_freed: OrderedDict[str, str] = OrderedDict()
-        # DONEs that overtook their hold: readers seen and the reader count they announced.
-        self._early_done: dict[str, tuple[set[str], int]] = {}
-        self._early_free: OrderedDict[str, None] = OrderedDict()
-        self._digests: dict[str, dict[int, list[int]]] = {}  # verify_kv: request -> block -> per head
+        self._recently_freed: OrderedDict[str, str] = OrderedDict()  # request -> why it was freed
+        self._overtaken: OrderedDict[str, _Overtaken] = OrderedDict()
         self.tracker = DelayedFreeTracker(self._on_free)
         # Set when the KV cache is registered: until then a handshake is refused (retry).
         self.cache: LocalCache | None = None
@@ -64,26 +69,26 @@ class PrefillHolder:
     # ---- holds -------------------------------------------------------------------------------
     def hold(self, request_id: str, num_blocks: int, block_ids: list[int] | None = None,
              ttl_s: float | None = None) -> None:
-        digests = None
-        if self.config.verify_kv and self.cache is not None:  # the request finished: its KV is final
-            cache = self.cache
-            digests = {b: head_digests(functools.partial(head_ranges, cache), range(len(cache.layer_names)), b,
-                                       range(cache.heads_on_rank))
-                       for b in block_ids or ()}
-        with self._lock:
-            if digests is not None:
-                self._digests[request_id] = digests
-            self._held_blocks[request_id] = num_blocks
-            self._held_block_ids[request_id] = frozenset(block_ids or ())
-            early_free = self._early_free.pop(request_id, 0) is None
-            early_done, expected = self._early_done.pop(request_id, (set(), 1))
-            if early_done:
-                self._expected_known.add(request_id)
-        self.tracker.hold(request_id, max(1, expected), ttl_s or self.config.hold_timeout_s)
-        for reader in early_done:
+        blocks = HeldBlocks(num_blocks, frozenset(block_ids or ()), self._digests(block_ids or ()))
+        with self._lock:  # atomic with the overtaken check: a message now finds the hold or is kept for it
+            overtaken = self._overtaken.pop(request_id, None) or _Overtaken()
+            self.tracker.hold(request_id, max(1, overtaken.expected_readers),
+                              ttl_s or self.config.hold_timeout_s, blocks)
+            if overtaken.readers_done:  # their count of readers is the one announced
+                self.tracker.expect_readers(request_id, overtaken.expected_readers)
+        for reader in overtaken.readers_done:
             self.tracker.done(request_id, reader)
-        if early_free:
+        if overtaken.free_now:
             self.tracker.abort(request_id)
+
+    def _digests(self, block_ids: Iterable[int]) -> dict[int, list[int]] | None:
+        """verify_kv: the blocks' per-head digests (the request finished: its KV is final)."""
+        if not self.config.verify_kv or self.cache is None:
+            return None
+        cache = self.cache
+        return {b: head_digests(functools.partial(head_ranges, cache), range(len(cache.layer_names)), b,
+                                range(cache.heads_on_rank))
+                for b in block_ids}
 
     def take_freed(self) -> set[str]:
         """Requests freed since the last call (expired holds included)."""
@@ -93,20 +98,10 @@ class PrefillHolder:
         return freed
 
     def counts(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "held_blocks": sum(self._held_blocks.values()),
-                "held_requests": len(self._held_blocks),
-                "active_reads": len(self._active_reads),
-            }
+        return self.tracker.counts()
 
     def _on_free(self, request_id: str, reason: str) -> None:
         with self._lock:
-            self._held_blocks.pop(request_id, None)
-            self._held_block_ids.pop(request_id, None)
-            self._digests.pop(request_id, None)
-            self._active_reads = {r for r in self._active_reads if r[0] != request_id}
-            self._expected_known.discard(request_id)
             self._freed.add(request_id)
             self._recently_freed[request_id] = reason
             while len(self._recently_freed) > _RECENT:
@@ -115,14 +110,14 @@ class PrefillHolder:
             self.stats.incr("expired_holds")
         logger.debug("MooncakeConnectorV1: request %s freed (%s)", request_id, reason)
 
-    def _learn_expected(self, request_id: str, expected: int) -> None:
-        """The first reader tells how many readers to wait for (the prefill cannot know it earlier)."""
-        with self._lock:
-            if request_id in self._expected_known or request_id not in self._held_blocks:
-                return
-            self._expected_known.add(request_id)
-        if expected > 1:
-            self.tracker.expect(request_id, expected)  # the hold's deadline stays as it was
+    def _overtaken_by(self, request_id: str) -> _Overtaken:
+        """Under ``_lock``: what overtook the hold of ``request_id`` so far (bounded)."""
+        overtaken = self._overtaken.get(request_id)
+        if overtaken is None:
+            overtaken = self._overtaken[request_id] = _Overtaken()
+            while len(self._overtaken) > _RECENT:
+                self._overtaken.popitem(last=False)
+        return overtaken
 
     def _not_held(self, request_id: str) -> P.Refused:
         with self._lock:
@@ -139,14 +134,11 @@ class PrefillHolder:
             refused = self._check_block_ids(message)
             if refused is not None:
                 return refused
-            self._learn_expected(message.request_id, message.expected_readers)
+            self.tracker.expect_readers(message.request_id, message.expected_readers)
             if self.tracker.begin_read(message.request_id, message.reader_id, self.config.lease_s):
-                with self._lock:
-                    if message.request_id in self._held_blocks:
-                        self._active_reads.add((message.request_id, message.reader_id))
-                    digests = self._digests.get(message.request_id)
-                if digests is not None:  # verify_kv: the reader checks what it read against these
-                    return P.Ack(digests=[d for b in message.block_ids for d in digests.get(b, ())])
+                blocks = self.tracker.blocks(message.request_id)
+                if blocks is not None and blocks.digests is not None:  # verify_kv: the reader checks against these
+                    return P.Ack(digests=[d for b in message.block_ids for d in blocks.digests.get(b, ())])
                 return P.Ack()
             return self._not_held(message.request_id)
         if isinstance(message, P.LeaseRenew):
@@ -154,26 +146,21 @@ class PrefillHolder:
                 return P.Ack()
             return self._not_held(message.request_id)
         if isinstance(message, P.PullDone):
-            self._learn_expected(message.request_id, message.expected_readers)
+            self.tracker.expect_readers(message.request_id, message.expected_readers)
             with self._lock:
-                self._active_reads.discard((message.request_id, message.reader_id))
-                held = message.request_id in self._held_blocks
+                held = message.request_id in self.tracker
                 if not held and message.request_id not in self._recently_freed:
-                    readers, expected = self._early_done.get(message.request_id, (set(), 1))
-                    readers.add(message.reader_id)
-                    self._early_done[message.request_id] = (readers, max(expected, message.expected_readers))
-                    while len(self._early_done) > _RECENT:
-                        self._early_done.pop(next(iter(self._early_done)))
+                    overtaken = self._overtaken_by(message.request_id)
+                    overtaken.readers_done.add(message.reader_id)
+                    overtaken.expected_readers = max(overtaken.expected_readers, message.expected_readers)
             if held:
                 self.tracker.done(message.request_id, message.reader_id)
             return P.Ack()
         if isinstance(message, P.FreeNow):
             with self._lock:
-                held = message.request_id in self._held_blocks
+                held = message.request_id in self.tracker
                 if not held and message.request_id not in self._recently_freed:
-                    self._early_free[message.request_id] = None
-                    while len(self._early_free) > _RECENT:
-                        self._early_free.popitem(last=False)
+                    self._overtaken_by(message.request_id).free_now = True
             if held:
                 self.tracker.abort(message.request_id)
             return P.Ack()
@@ -185,12 +172,11 @@ class PrefillHolder:
 
     def _check_block_ids(self, message: P.PullStarted) -> P.Refused | None:
         """A reader may only read blocks this rank holds for that very request."""
-        with self._lock:
-            allowed = self._held_block_ids.get(message.request_id)
-        if allowed is None:
+        blocks = self.tracker.blocks(message.request_id)
+        if blocks is None:
             return None  # not held (yet / any more): begin_read answers
         wanted = set(message.block_ids)
-        bad = sorted(wanted - allowed) if wanted else None
+        bad = sorted(wanted - blocks.block_ids) if wanted else None
         if bad is None or bad:
             what = "no block ids" if bad is None else f"block ids {bad[:8]}{'...' if len(bad) > 8 else ''}"
             logger.warning("MooncakeConnectorV1: refusing reader %s of request %s: %s not held for it",
