@@ -159,14 +159,18 @@ def test_reader_may_only_read_the_requests_own_blocks(prefill):
 
 def test_client_may_shorten_but_not_extend_the_hold():
     from kv_mooncake.scheduler import MooncakeScheduler
+    from kv_mooncake.transfer_params import parse_transfer_params
 
     sched = MooncakeScheduler(MooncakeConfig(hold_timeout_s=30.0), engine_id="P", block_size=16,
                               is_producer=True, is_consumer=False, side_channel_port=1)
-    assert sched._hold_ttl({"hold_timeout_s": 2}) == 2.0
-    assert sched._hold_ttl({"hold_timeout_s": 3600}) == 30.0
-    assert sched._hold_ttl({"hold_timeout_s": "x"}) is None
-    assert sched._hold_ttl({"hold_timeout_s": float("nan")}) is None
-    assert sched._hold_ttl({}) is None
+    def ttl(params):
+        return sched._hold_ttl(parse_transfer_params({"do_remote_decode": True, **params}).hold_timeout_s)
+
+    assert ttl({"hold_timeout_s": 2}) == 2.0
+    assert ttl({"hold_timeout_s": 3600}) == 30.0
+    assert ttl({"hold_timeout_s": "x"}) is None
+    assert ttl({"hold_timeout_s": float("nan")}) is None
+    assert ttl({}) is None
 
 
 def test_done_is_retried_until_a_slow_prefill_answers(prefill, monkeypatch):

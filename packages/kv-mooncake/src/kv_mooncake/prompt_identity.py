@@ -24,7 +24,7 @@ def prompt_digest(token_ids: Iterable[int]) -> str:
     return f"{_VERSION}:{hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()}"
 
 
-def same_prompt(params: dict, token_ids: Iterable[int] | None) -> bool:
-    """False also when the prefill sent no digest: an unverifiable source is not trusted."""
-    sent = params.get(PARAM_KEY)
+def same_prompt(sent: str | None, token_ids: Iterable[int] | None) -> bool:
+    """``sent``: the digest in the prefill's params. False also when the prefill sent none: an
+    unverifiable source is not trusted."""
     return isinstance(sent, str) and token_ids is not None and sent == prompt_digest(token_ids)

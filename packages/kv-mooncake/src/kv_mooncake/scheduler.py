@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-import msgspec
 from kv_common.logging_utils import get_logger
-from kv_common.metadata import KVTransferParams
 from kv_common.stats import TransferStatsBase
 
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.declared_layout import peer_layout_contradiction
-from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource
-from kv_mooncake.prompt_identity import PARAM_KEY as PROMPT_DIGEST_KEY
+from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest
 from kv_mooncake.prompt_identity import prompt_digest, same_prompt
+from kv_mooncake.transfer_params import TransferParams, flag, parse_transfer_params
 
 logger = get_logger(__name__)
 
@@ -34,25 +32,11 @@ def side_channel_base_port(config: MooncakeConfig, kv_port: int, dp_rank: int, w
     return base + dp_rank * world_size
 
 
-def _remote_source(params: dict) -> RemoteSource | None:
-    try:
-        p = KVTransferParams.from_dict(params)
-    except (msgspec.ValidationError, TypeError) as exc:
-        logger.warning("MooncakeConnectorV1: invalid kv_transfer_params (%s): %s", exc, params)
-        return None
-    if p is None or not (p.remote_engine_id and p.remote_host and p.remote_port and p.remote_request_id):
-        logger.warning("MooncakeConnectorV1: kv_transfer_params lack the remote engine: %s", params)
-        return None
-    return RemoteSource(
-        engine_id=p.remote_engine_id,
-        host=p.remote_host,
-        port=p.remote_port,
-        request_id=p.remote_request_id,
-        block_ids=list(p.remote_block_ids),
-        tp_size=p.remote_tp_size,
-        pcp_size=p.remote_pcp_size,
-        dcp_size=p.remote_dcp_size,
-    )
+class _Incoming(NamedTuple):
+    """A decode request's parsed params, from the first time vLLM asks about it until it finishes."""
+
+    params: TransferParams
+    local_computed: int  # prefix hit seen by the latest get_num_new_matched_tokens
 
 
 class MooncakeScheduler:
@@ -76,7 +60,8 @@ class MooncakeScheduler:
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.side_channel_port = side_channel_port
         self.tp_size, self.pcp_size, self.dcp_size = tp_size, pcp_size, dcp_size
-        self._local_computed: dict[str, int] = {}  # decode: prefix hit seen by get_num_new_matched_tokens
+        # decode: requests with do_remote_prefill, parsed once (vLLM asks again every step until one fits)
+        self._incoming: dict[str, _Incoming] = {}
         self._step = MooncakeStep()
         self._clock = clock
         # prefill: requests whose blocks the workers still hold -> when the hold was handed over
@@ -86,60 +71,79 @@ class MooncakeScheduler:
         self.stats = TransferStatsBase()  # scheduler-side counters (prompt mismatches)
 
     # ---- decode side -------------------------------------------------------------------------
+    def _remote_prefill(self, request: Any) -> TransferParams | None:
+        """The params of a decode request still to be pulled (parsed on first sight; vLLM asks again
+        every step until the request fits); None for any other request."""
+        if not self.is_consumer or not flag(request.kv_transfer_params, "do_remote_prefill"):
+            return None
+        entry = self._incoming.get(request.request_id)
+        if entry is not None:
+            return entry.params
+        params = parse_transfer_params(request.kv_transfer_params)
+        assert params is not None  # the flag is set
+        if params.source() is None:
+            logger.warning("MooncakeConnectorV1: kv_transfer_params lack the remote engine: %s",
+                           request.kv_transfer_params)
+        self._incoming[request.request_id] = _Incoming(params, 0)
+        return params
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or not self.is_consumer:
+        params = self._remote_prefill(request)
+        if params is None:
             return 0, False
-        contradiction = peer_layout_contradiction(self.config, remote_tp_size=int(params.get("remote_tp_size") or 1))
+        contradiction = peer_layout_contradiction(self.config, remote_tp_size=params.tp_size)
         if contradiction:
             self._refuse_declared_layout(request, params, contradiction)
             return 0, False
-        if not same_prompt(params, request.prompt_token_ids):
+        if not same_prompt(params.prompt_digest, request.prompt_token_ids):
             self._refuse_other_prompt(request, params)
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        self._local_computed[request.request_id] = num_computed_tokens
-        if count > 0 and request.request_id not in self._waiting:
-            source = _remote_source(params)
-            if source is not None:  # from now on the prefill's hold is kept alive (see build_step)
-                now = self._clock()
-                self._waiting[request.request_id] = [source, now, now]
+        self._incoming[request.request_id] = _Incoming(params, num_computed_tokens)
+        source = params.source()
+        if count > 0 and request.request_id not in self._waiting and source is not None:
+            now = self._clock()  # from now on the prefill's hold is kept alive (see build_step)
+            self._waiting[request.request_id] = [source, now, now]
         return (count, True) if count > 0 else (0, False)
 
-    def _refuse_declared_layout(self, request: Any, params: dict, contradiction: str) -> None:
-        """The prefill's layout is not the one the config declares: a misconfigured pair. Pull
-        nothing (compute locally) and let the prefill free, as for another prompt."""
-        params["do_remote_prefill"] = False
-        self._local_computed.pop(request.request_id, None)
-        logger.warning("MooncakeConnectorV1: request %s: kv_connector_extra_config %s; computing it "
-                       "locally instead of pulling", request.request_id, contradiction)
-        source = _remote_source(params)
+    def _decide(self, request: Any) -> None:
+        """One transfer per request: vLLM's dict is the request's state and may be asked about again."""
+        request.kv_transfer_params["do_remote_prefill"] = False
+        self._incoming.pop(request.request_id, None)
+
+    def _compute_locally(self, request: Any, params: TransferParams) -> None:
+        """Nothing will be pulled for this request: vLLM computes it; the prefill may free."""
+        self._decide(request)
+        source = params.source()
         if source is not None:
             self._step.frees.append(source)
 
-    def _refuse_other_prompt(self, request: Any, params: dict) -> None:
+    def _refuse_declared_layout(self, request: Any, params: TransferParams, contradiction: str) -> None:
+        """The prefill's layout is not the one the config declares: a misconfigured pair. Pull
+        nothing (compute locally) and let the prefill free, as for another prompt."""
+        logger.warning("MooncakeConnectorV1: request %s: kv_connector_extra_config %s; computing it "
+                       "locally instead of pulling", request.request_id, contradiction)
+        self._compute_locally(request, params)
+
+    def _refuse_other_prompt(self, request: Any, params: TransferParams) -> None:
         """The prefill computed another prompt (or sent no digest): pull nothing, compute locally
         (a cache miss, so every kv_load_failure_policy recomputes), and let the prefill free."""
-        params["do_remote_prefill"] = False  # decided once: vLLM may ask again next step
-        self._local_computed.pop(request.request_id, None)
         self.stats.incr("prompt_mismatches")
         logger.warning(
             "MooncakeConnectorV1: request %s: kv_transfer_params were made for another prompt "
             "(prompt digest %s, this prompt %s); computing it locally instead of pulling",
-            request.request_id, params.get(PROMPT_DIGEST_KEY, "missing"),
+            request.request_id, params.prompt_digest or "missing",
             prompt_digest(request.prompt_token_ids or ()),
         )
-        source = _remote_source(params)
-        if source is not None:
-            self._step.frees.append(source)
+        self._compute_locally(request, params)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or not self.is_consumer:
+        params = self._remote_prefill(request)
+        if params is None:
             return
-        params["do_remote_prefill"] = False  # one transfer per request, even if called again
-        source = _remote_source(params)
-        local_computed = self._local_computed.pop(request.request_id, 0)
+        local_computed = self._incoming[request.request_id].local_computed
+        self._decide(request)
+        source = params.source()
         if source is None:
             return
         if num_external_tokens <= 0:
@@ -159,58 +163,48 @@ class MooncakeScheduler:
 
     # ---- both --------------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
-        params = request.kv_transfer_params
-        if not params:
-            return False, None
-        self._local_computed.pop(request.request_id, None)
+        entry = self._incoming.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
-        if params.get("do_remote_prefill"):
+        raw = request.kv_transfer_params
+        if flag(raw, "do_remote_prefill"):
             # Finished (aborted) before its blocks were allocated: the prefill still holds them.
-            params["do_remote_prefill"] = False
-            source = _remote_source(params)
-            if source is not None:
-                self._step.frees.append(source)
+            params = entry.params if entry is not None else parse_transfer_params(raw)
+            assert params is not None  # the flag is set
+            self._compute_locally(request, params)
             return False, None
-        if not params.get("do_remote_decode") or not self.is_producer:
+        if not flag(raw, "do_remote_decode") or not self.is_producer:
             return False, None
+        params = parse_transfer_params(raw)  # the prefill's one parse of a request's params
+        assert params is not None  # the flag is set
         status = getattr(request.status, "name", str(request.status))
         groups = [list(g) for g in block_ids] if block_ids and isinstance(block_ids[0], (list, tuple)) else [list(block_ids or [])]
         if status not in _FINISHED_OK or not any(groups):
             return False, None  # aborted prefill: vLLM frees its blocks now, nothing to hand over
         self._held[request.request_id] = self._clock()
         self._step.holds.append(HoldRequest(request_id=request.request_id, num_blocks=len(groups[0]),
-                                            block_ids=list(groups[0]), ttl_s=self._hold_ttl(params)))
-        out = KVTransferParams(
+                                            block_ids=list(groups[0]), ttl_s=self._hold_ttl(params.hold_timeout_s)))
+        return True, TransferParams(
             do_remote_prefill=True,
-            do_remote_decode=False,
-            remote_engine_id=self.engine_id,
-            remote_host=self.config.side_channel_host,
-            remote_port=self.side_channel_port,
-            remote_block_ids=groups[0],
-            remote_request_id=request.request_id,
-            remote_tp_size=self.tp_size,
-            remote_pcp_size=self.pcp_size,
-            remote_dcp_size=self.dcp_size,
-            remote_num_tokens=int(getattr(request, "num_computed_tokens", 0)),
+            engine_id=self.engine_id,
+            host=self.config.side_channel_host,
+            port=self.side_channel_port,
+            block_ids=groups[0],
+            request_id=request.request_id,
+            tp_size=self.tp_size,
+            pcp_size=self.pcp_size,
+            dcp_size=self.dcp_size,
+            prompt_digest=prompt_digest(request.prompt_token_ids or ()),
         ).to_dict()
-        out["do_remote_decode"] = False
-        out[PROMPT_DIGEST_KEY] = prompt_digest(request.prompt_token_ids or ())
-        return True, out
 
-    def _hold_ttl(self, params: dict) -> float | None:
-        """A client may shorten (never extend) the hold with ``kv_transfer_params["hold_timeout_s"]``."""
-        raw = params.get("hold_timeout_s")
-        if raw is None:
+    def _hold_ttl(self, requested: float | None) -> float | None:
+        """A client may shorten (never extend) the hold with ``kv_transfer_params["hold_timeout_s"]``
+        (one that is not a number never gets here: ``parse_transfer_params`` drops it)."""
+        if requested is None:
             return None
-        try:
-            ttl = float(raw)
-        except (TypeError, ValueError):
-            logger.warning("MooncakeConnectorV1: ignoring hold_timeout_s=%r (not a number)", raw)
+        if not requested > 0:  # also NaN
+            logger.warning("MooncakeConnectorV1: ignoring hold_timeout_s=%r (must be > 0)", requested)
             return None
-        if not ttl > 0:  # also NaN
-            logger.warning("MooncakeConnectorV1: ignoring hold_timeout_s=%r (must be > 0)", raw)
-            return None
-        return min(ttl, self.config.hold_timeout_s)
+        return min(requested, self.config.hold_timeout_s)
 
     def build_step(self) -> MooncakeStep:
         self._keep_waiting_holds_alive()
