@@ -16,6 +16,12 @@ from __future__ import annotations
 
 import msgspec
 
+# Bump when a message changes meaning or shape in a way the other side cannot ignore: the handshake
+# then refuses a peer of another version by name instead of misreading it.
+PROTOCOL_VERSION = 1
+# What a peer that sends no version speaks: the releases before the version was sent spoke 1.
+UNVERSIONED = 1
+
 
 class Compatibility(msgspec.Struct, frozen=True, kw_only=True):
     """What two instances must agree on before blocks move between them: every setting that changes
@@ -36,9 +42,16 @@ class Compatibility(msgspec.Struct, frozen=True, kw_only=True):
     kernel_block_size: int = 0  # tokens per block in the tensor (vLLM may split a logical block)
     pipeline_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 0  # as this instance lays out context-parallel tokens
+    # The side-channel protocol this instance speaks (vLLM's NIXL folds its connector version into
+    # its compatibility hash likewise). Missing on the wire: a release from before versioning.
+    protocol_version: int = UNVERSIONED
 
     def differences(self, other: Compatibility, mine: str = "decode", theirs: str = "prefill") -> list[str]:
-        """One line per differing setting, naming it and both values."""
+        """One line per differing setting, naming it and both values. Peers of two protocol versions
+        get that line alone: the other fields may not mean the same to both."""
+        if self.protocol_version != other.protocol_version:
+            return [f"{theirs} speaks kv-mooncake protocol {other.protocol_version}, "
+                    f"this {mine} {self.protocol_version}"]
         return [
             f"{name}: {mine} {getattr(self, name)!r}, {theirs} {getattr(other, name)!r}"
             for name in self.__struct_fields__

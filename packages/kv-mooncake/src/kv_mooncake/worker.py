@@ -112,6 +112,7 @@ class MooncakeWorker:
             kernel_block_size=int(shape.get("kernel_block_size", shape["block_size"])),
             pipeline_parallel_size=int(base.get("pipeline_parallel_size", 1)),
             cp_kv_cache_interleave_size=int(base.get("cp_kv_cache_interleave_size", 0)),
+            protocol_version=P.PROTOCOL_VERSION,
         )
         if self._engine_factory is not None:
             self.te = self._engine_factory()
