@@ -10,12 +10,7 @@ import sys
 import textwrap
 
 from kv_common.__main__ import main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kv_common.testing.ports import free_port
 
 
 def _doctor(capsys, config: dict, *extra: str) -> tuple[int, list[dict]]:
@@ -41,7 +36,7 @@ def _pool(**extra) -> dict:
 
 def test_clean_pass_multiconnector_p2p_plus_pool(capsys, tmp_path):
     config = {"kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {
-        "connectors": [_p2p(_free_port()), _pool(backend="embedded", embedded={"spill_dir": str(tmp_path / "spill")})]}}
+        "connectors": [_p2p(free_port()), _pool(backend="embedded", embedded={"spill_dir": str(tmp_path / "spill")})]}}
     rc, checks = _doctor(capsys, config)
     assert rc == 0, _problems(checks)
     details = [c["detail"] for c in checks]
@@ -70,7 +65,7 @@ def test_decode_binds_nothing(capsys):
 
 
 def test_master_unreachable(capsys):
-    port = _free_port()
+    port = free_port()
     rc, checks = _doctor(capsys, _pool(backend="mooncake", mooncake={"master_server_address": f"127.0.0.1:{port}"}))
     assert rc == 1
     (problem,) = _problems(checks)
@@ -94,7 +89,7 @@ def test_unwritable_store_directory(capsys, tmp_path):
 
 
 def test_bad_key_is_named(capsys):
-    config = _p2p(_free_port())
+    config = _p2p(free_port())
     config["kv_connector_extra_config"]["prefil"] = {"tp_size": 1}
     rc, checks = _doctor(capsys, config)
     assert rc == 1
@@ -110,8 +105,8 @@ def test_backend_not_installed_names_the_installed_ones(capsys):
 
 
 def test_peer_unreachable(capsys):
-    port = _free_port()
-    rc, checks = _doctor(capsys, _p2p(_free_port(), role="kv_consumer"), "--peer", f"127.0.0.1:{port}")
+    port = free_port()
+    rc, checks = _doctor(capsys, _p2p(free_port(), role="kv_consumer"), "--peer", f"127.0.0.1:{port}")
     assert rc == 1 and _problems(checks)[0].startswith(f"peer 127.0.0.1:{port} unreachable")
 
 
@@ -145,7 +140,7 @@ def test_backend_named_as_module_factory_is_checked_for_import(capsys):
 
 def test_pipeline_parallel_prefill_is_refused_before_start(capsys):
     # vllm-ascend's pipeline_parallel.md topology: parses, but MooncakeConnectorV1 would refuse it at start-up.
-    config = _p2p(_free_port(), role="kv_consumer")
+    config = _p2p(free_port(), role="kv_consumer")
     config["kv_connector_extra_config"] = {"prefill": {"dp_size": 1, "tp_size": 8, "pp_size": 2,
                                                        "pp_layer_partition": "32,29"},
                                            "decode": {"dp_size": 1, "tp_size": 1, "pp_size": 1}}

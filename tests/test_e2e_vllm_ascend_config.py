@@ -14,7 +14,6 @@ import copy
 import json
 import os
 import random
-import socket
 import threading
 from pathlib import Path
 
@@ -24,6 +23,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
 from kv_common.testing.engine import EngineError, EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -35,18 +35,12 @@ BLOCK = 128
 COMMON = dict(max_tokens=8, max_model_len=1024, kv_cache_bytes=64 << 20)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _documented(role: str) -> dict:
     entries = json.loads((Path(__file__).parent / "data" / "vllm_ascend_configs" / "p2p.json").read_text())["configs"]
     (entry,) = [e for e in entries if any(s.startswith(DOC) for s in e["sources"]) and e["config"]["kv_role"] == role]
     config = copy.deepcopy(entry["config"])
     assert isinstance(config["kv_port"], str)  # as their docs write it
-    config["kv_port"] = str(_free_port())
+    config["kv_port"] = str(free_port())
     return config
 
 

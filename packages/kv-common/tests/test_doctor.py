@@ -9,12 +9,7 @@ import socket
 import pytest
 from kv_common import doctor
 from kv_common.__main__ import main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kv_common.testing.ports import free_port
 
 
 def test_port_in_use_is_reported_and_a_free_port_is_not():
@@ -27,7 +22,7 @@ def test_port_in_use_is_reported_and_a_free_port_is_not():
 
 
 def test_unreachable_peer_within_the_deadline():
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     why = doctor.reachable("127.0.0.1", port, timeout_s=1.0)
     assert why is not None and "refused" in why.lower()
     with socket.socket() as listener:
@@ -71,7 +66,7 @@ def test_cli_without_config_lists_and_passes(capsys):
 
 
 def test_cli_reports_a_bad_json_and_an_unreachable_peer(capsys):
-    port = _free_port()
+    port = free_port()
     assert main(["doctor", "--no-vllm", "--kv-transfer-config", "{not json"]) == 1
     assert "not a JSON object" in capsys.readouterr().out
     assert main(["doctor", "--no-vllm", "--peer", f"127.0.0.1:{port}", "--timeout", "1"]) == 1

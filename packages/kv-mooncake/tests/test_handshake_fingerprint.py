@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import FakeTransferEngine  # noqa: E402
 from kv_mooncake import protocol as P  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
 from kv_mooncake.fingerprint import config_fingerprint, unsupported_settings  # noqa: E402
@@ -16,16 +17,6 @@ from kv_mooncake.pull_plan import PrefillLayout  # noqa: E402
 from kv_mooncake.worker import MooncakeWorker  # noqa: E402
 
 HEADS, HEAD = 4, 8
-
-
-class FakeTransferEngine:
-    rpc_address = "127.0.0.1:1"
-
-    def register(self, regions):
-        self.regions = regions
-
-    def close(self):
-        pass
 
 
 def _vllm_config(**over):

@@ -10,6 +10,8 @@ import socket
 import time
 
 import pytest
+from conftest import FakeTransferEngine
+from kv_common.testing.ports import free_port
 from kv_mooncake import protocol as P
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource
@@ -19,24 +21,10 @@ from kv_mooncake.worker import LocalCache, MooncakeWorker
 SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
 
 
-class FakeTransferEngine:
-    """Stands in for the TE where no byte moves (the plan fails before any read)."""
-
-    rpc_address = "127.0.0.1:1"
-
-    def register(self, regions):
-        self.regions = regions
-
-    def close(self):
-        pass
-
-
-def _free_port(n: int = 1) -> int:
-    """A base port with ``n`` free ports above it (best effort)."""
+def _free_port_range(n: int) -> int:
+    """A base port with ``n`` free ports from it on (best effort: each is free when tried)."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+        base = free_port()
         if base + n >= 65535:
             continue
         try:
@@ -77,7 +65,7 @@ def _wait_freed(w: MooncakeWorker, request_id: str, timeout_s: float) -> bool:
 
 @pytest.fixture
 def prefill():
-    w = _prefill(MooncakeConfig(hold_timeout_s=30.0, lease_s=0.3), _free_port())
+    w = _prefill(MooncakeConfig(hold_timeout_s=30.0, lease_s=0.3), free_port())
     yield w
     w.close()
 
@@ -109,10 +97,10 @@ def test_learning_the_reader_count_keeps_a_shortened_hold_short(prefill):
 def test_plan_error_on_the_decode_frees_every_prefill_rank_at_once():
     """The decode cannot plan the pull (here: a decode DCP layout the plan refuses). Nothing will
     ever be read, so every prefill rank of the request must free now, not after its 60 s hold."""
-    base = _free_port(2)
+    base = _free_port_range(2)
     cfg = MooncakeConfig(hold_timeout_s=60.0, lease_s=2.0)
     ranks = [_prefill(cfg, base, PrefillRank(t, 0), tp=2) for t in range(2)]
-    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=_free_port(),
+    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=free_port(),
                             decode_layout=DecodeLayout(tp_size=1, dcp_size=2), total_kv_heads=4,
                             compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
     decode.register_cache(_cache(), SHAPE, "float32")
@@ -162,10 +150,10 @@ def test_a_request_waiting_on_the_decode_keeps_its_hold_alive():
     from kv_mooncake.scheduler import MooncakeScheduler
 
     cfg = MooncakeConfig(hold_timeout_s=2.0, lease_s=1.5)  # a heartbeat every 0.5 s extends by 1.5 s
-    prefill = _prefill(cfg, _free_port())
+    prefill = _prefill(cfg, free_port())
     sched = MooncakeScheduler(cfg, engine_id="D", block_size=16, is_producer=False, is_consumer=True,
-                              side_channel_port=_free_port())
-    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=_free_port(),
+                              side_channel_port=free_port())
+    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=free_port(),
                             total_kv_heads=4, engine_factory=FakeTransferEngine)
     decode.register_cache(_cache(), SHAPE, "float32")
     prompt = list(range(20))
@@ -238,8 +226,8 @@ def test_heartbeats_to_a_frozen_prefill_do_not_delay_dones_to_a_healthy_one():
     frozen.bind(("127.0.0.1", 0))
     frozen.listen(16)
     cfg = MooncakeConfig(hold_timeout_s=30.0, lease_s=3.0)
-    prefill = _prefill(cfg, _free_port())
-    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=_free_port(),
+    prefill = _prefill(cfg, free_port())
+    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=free_port(),
                             total_kv_heads=4, engine_factory=FakeTransferEngine)
     decode.register_cache(_cache(), SHAPE, "float32")
     try:

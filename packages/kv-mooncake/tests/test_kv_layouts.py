@@ -17,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import FakeTransferEngine  # noqa: E402
 from kv_mooncake import protocol as P  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
 from kv_mooncake.metadata import PullRequest, RemoteSource  # noqa: E402
@@ -24,18 +25,6 @@ from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, plan_
 from kv_mooncake.worker import MooncakeWorker, PullFailed  # noqa: E402
 
 HEADS, HEAD, LAYERS = 4, 8, 2
-
-
-class FakeTransferEngine:
-    """Stands in for the TE: these tests copy the planned ranges themselves, in process."""
-
-    rpc_address = "127.0.0.1:1"
-
-    def register(self, regions):
-        self.regions = regions
-
-    def close(self):
-        pass
 
 
 def _alloc(layout: str, heads: int, blocks: int, block: int, gen: torch.Generator, dtype=torch.float32):

@@ -12,6 +12,7 @@ import pytest
 np = pytest.importorskip("numpy")
 pytest.importorskip("mooncake.engine")
 
+from kv_common.testing.ports import free_port  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource  # noqa: E402
 from kv_mooncake.worker import LocalCache, MooncakeWorker  # noqa: E402
@@ -21,12 +22,6 @@ SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
 NUM_BLOCKS, BLOCK_BYTES, HEADS = 64, 4096, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Instance:
     """A worker over two numpy 'layers' registered with a real TransferEngine."""
 
@@ -34,7 +29,7 @@ class Instance:
         rng = np.random.default_rng(seed)
         self.layers = [rng.integers(0, 256, NUM_BLOCKS * BLOCK_BYTES, dtype=np.uint8) for _ in range(2)]
         self.worker = MooncakeWorker(cfg, engine_id="P" if producer else "D", is_producer=producer,
-                                     is_consumer=not producer, side_channel_port=_free_port(), total_kv_heads=HEADS,
+                                     is_consumer=not producer, side_channel_port=free_port(), total_kv_heads=HEADS,
                                      compatibility_base={"model": "m"})
         cache = LocalCache(["l0", "l1"], [a.ctypes.data for a in self.layers], [BLOCK_BYTES] * 2, NUM_BLOCKS, HEADS)
         self.worker.register_cache(cache, SHAPE, "float32")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import msgspec
 import pytest
 import zmq
+from conftest import FakeTransferEngine
+from kv_common.testing.ports import free_port
 from kv_mooncake import protocol as P
 from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
@@ -17,28 +18,10 @@ from kv_mooncake.worker import LocalCache, MooncakeWorker, query_leaks
 SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
 
 
-class FakeTransferEngine:
-    """Stands in for the TE only where these tests never move bytes (the TE has its own test)."""
-
-    rpc_address = "127.0.0.1:1"
-
-    def register(self, regions):
-        self.regions = regions
-
-    def close(self):
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def prefill():
     cfg = MooncakeConfig(hold_timeout_s=0.5, lease_s=0.3)
-    w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=_free_port(),
+    w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=free_port(),
                        total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
     w.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
     yield w
@@ -176,7 +159,7 @@ def test_client_may_shorten_but_not_extend_the_hold():
 def test_done_is_retried_until_a_slow_prefill_answers(prefill, monkeypatch):
     """A DONE whose first answer comes late is sent again, not dropped (the blocks would stay held)."""
     decode = MooncakeWorker(MooncakeConfig(lease_s=3.0), engine_id="D", is_producer=False, is_consumer=True,
-                            side_channel_port=_free_port(), engine_factory=FakeTransferEngine)
+                            side_channel_port=free_port(), engine_factory=FakeTransferEngine)
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0])]))
     real = decode.puller.messenger._client.request
     calls = []
@@ -216,9 +199,9 @@ def test_decode_request_aborted_before_scheduling_still_frees_the_prefill(prefil
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0], ttl_s=60)]))
     cfg = MooncakeConfig()
     sched = MooncakeScheduler(cfg, engine_id="D", block_size=16, is_producer=False, is_consumer=True,
-                              side_channel_port=_free_port())
+                              side_channel_port=free_port())
     decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True,
-                            side_channel_port=_free_port(), engine_factory=FakeTransferEngine)
+                            side_channel_port=free_port(), engine_factory=FakeTransferEngine)
     decode.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1",
               "remote_port": prefill.side_channel_port, "remote_block_ids": [0], "remote_request_id": "r",
