@@ -15,8 +15,8 @@ from kv_common.config import ConfigKeyError
 from kv_common.logging_utils import get_logger
 
 from kv_ucm.config import UCMConfig, UCMConfigError, UcmStoreSpec, resolve_store_spec
+from kv_ucm.installation import check_ucm_installation
 from kv_ucm.ucm_backend import UcmBackend
-from kv_ucm.ucm_store import check_ucm_installation
 
 logger = get_logger(__name__)
 
