@@ -8,6 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from kv_common import kv_byte_settings as kbs
+from kv_common.kv_byte_settings import KVByteSettings
+
 
 class VllmNotInstalledError(ImportError):
     pass
@@ -60,21 +63,30 @@ def forward_context_kv_caches(forward_context: Any) -> dict[str, Any]:
     return {name: layer.kv_cache for name, layer in layers.items() if hasattr(layer, "kv_cache")}
 
 
-def model_fingerprint(vllm_config: Any) -> dict[str, Any]:
-    """The facts about the served model that decide whether two instances' KV blocks are compatible."""
+def kv_byte_settings(vllm_config: Any) -> KVByteSettings:
+    """The settings of this instance that change its KV bytes, normalised (``kv_common.kv_byte_settings``).
+    Read with ``getattr`` only, so a plain namespace with the same fields works in tests."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
-    return {
-        "model": str(getattr(model, "model", "")),
-        "dtype": str(getattr(model, "dtype", "")),
-        "block_size": int(getattr(cache, "block_size", 0) or 0),
-        "cache_dtype": str(getattr(cache, "cache_dtype", "auto")),
-        "tp_size": int(getattr(parallel, "tensor_parallel_size", 1)),
-        "pcp_size": int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
-        "dcp_size": int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
-        "use_mla": bool(getattr(model, "use_mla", False)),
-    }
+    model_dtype = kbs.dtype_name(getattr(model, "dtype", None))
+    block_size = int(getattr(cache, "block_size", 0) or 0)
+    dcp_size = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    return KVByteSettings(
+        model=kbs.text(getattr(model, "model", None)),
+        revision=kbs.text(getattr(model, "revision", None)),
+        quantization=kbs.text(getattr(model, "quantization", None)),
+        model_dtype=model_dtype,
+        cache_dtype=kbs.cache_dtype_name(getattr(cache, "cache_dtype", None), model_dtype),
+        block_size=block_size,
+        pipeline_parallel_size=int(getattr(parallel, "pipeline_parallel_size", 1) or 1),
+        cp_kv_cache_interleave_size=kbs.effective_interleave(
+            int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1), dcp_size=dcp_size, block_size=block_size),
+        tp_size=int(getattr(parallel, "tensor_parallel_size", 1) or 1),
+        pcp_size=int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+        dcp_size=dcp_size,
+        use_mla=bool(getattr(model, "use_mla", False)),
+    )
 
 
 def tp_rank() -> int:

@@ -26,12 +26,12 @@ class MooncakeConnectorMetadata(_base.KVConnectorMetadata):  # type: ignore[name
 
 
 def _parallel(vllm_config: Any) -> dict[str, int]:
-    fp = vllm_compat.model_fingerprint(vllm_config)
+    settings = vllm_compat.kv_byte_settings(vllm_config)
     parallel = vllm_config.parallel_config
     return {
-        "tp": fp["tp_size"],
-        "pcp": fp["pcp_size"],
-        "dcp": fp["dcp_size"],
+        "tp": settings.tp_size,
+        "pcp": settings.pcp_size,
+        "dcp": settings.dcp_size,
         "dp_rank": int(getattr(parallel, "data_parallel_rank", 0) or 0),
     }
 
@@ -60,7 +60,7 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):  # type: ignore[name-define
             raise ValueError("MooncakeConnectorV1 cannot read this KV layout right: " + "; ".join(problems))
         is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         # vllm-ascend's declared prefill/decode sizes must describe what really runs here.
-        pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        pp_size = fingerprint["pipeline_parallel_size"]
         contradictions = start_up_contradictions(
             self.config, is_producer=is_producer, is_consumer=is_consumer, tp_size=par["tp"], pp_size=pp_size
         )
@@ -78,7 +78,6 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):  # type: ignore[name-define
             )
         else:
             model = vllm_config.model_config
-            fp = vllm_compat.model_fingerprint(vllm_config)
             ranks = vllm_compat.parallel_ranks()  # 0 where a group is not initialised
             tp_rank, pcp_rank, dcp_rank = ranks["tp_rank"], ranks["pcp_rank"], ranks["dcp_rank"]
             # PCP/DCP ranks come from vLLM's groups (all 0 on CPU: PCP/DCP need GPU attention
@@ -89,7 +88,7 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):  # type: ignore[name-define
                     f"MooncakeConnectorV1: DCP rank {dcp_rank} on TP rank {tp_rank} (DCP {par['dcp']}); "
                     "the pull plan expects DCP groups of consecutive TP ranks (dcp_rank == tp_rank % dcp)"
                 )
-            use_mla = bool(fp["use_mla"])
+            use_mla = bool(fingerprint["use_mla"])
             total_heads = 1 if use_mla else int(model.get_total_num_kv_heads())
             self._worker = MooncakeWorker(
                 self.config, engine_id=self.engine_id, is_producer=is_producer, is_consumer=is_consumer,

@@ -1,6 +1,6 @@
 """What an instance's vLLM config says about its KV bytes, and the parallel settings we refuse.
 
-Read with ``getattr`` only (no vLLM import), so it is testable with a plain namespace. The handshake
+Read with ``getattr`` only (no vLLM import, ``kv_common.vllm_compat``), so it is testable with a plain namespace. The handshake
 compares the fingerprint field by field; ``unsupported_settings`` runs at start-up so that a layout
 the pull plan cannot read right stops the engine with the setting to change, instead of loading the
 wrong KV later.
@@ -10,37 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _name(value: Any) -> str:
-    return "" if value is None else str(value).removeprefix("torch.")
+import msgspec
+from kv_common.vllm_compat import kv_byte_settings
 
 
 def config_fingerprint(vllm_config: Any) -> dict[str, Any]:
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    par = vllm_config.parallel_config
-    model_dtype = _name(getattr(model, "dtype", ""))
-    block_size = int(getattr(cache, "block_size", 0) or 0)
-    dcp = int(getattr(par, "decode_context_parallel_size", 1) or 1)
-    interleave = int(getattr(par, "cp_kv_cache_interleave_size", 1) or 1)
-    cache_dtype = _name(getattr(cache, "cache_dtype", "auto")) or "auto"
-    return {
-        "model": _name(getattr(model, "model", "")),
-        "revision": _name(getattr(model, "revision", None)),
-        "quantization": _name(getattr(model, "quantization", None)),
-        "model_dtype": model_dtype,
-        # "auto" stores KV in the model's dtype; fp8 variants keep their own name (fp8_e4m3 and
-        # fp8_e5m2 tensors are both uint8, so the tensor dtype alone cannot tell them apart).
-        "cache_dtype": model_dtype if cache_dtype == "auto" else cache_dtype,
-        "block_size": block_size,
-        "pipeline_parallel_size": int(getattr(par, "pipeline_parallel_size", 1) or 1),
-        # With one DCP rank every interleave size lays tokens out alike (whole blocks on one rank).
-        "cp_kv_cache_interleave_size": interleave if dcp > 1 else block_size,
-        "tp_size": int(getattr(par, "tensor_parallel_size", 1) or 1),
-        "pcp_size": int(getattr(par, "prefill_context_parallel_size", 1) or 1),
-        "dcp_size": dcp,
-        "use_mla": bool(getattr(model, "use_mla", False)),
-    }
+    """The settings that change KV bytes (``kv_common.kv_byte_settings``), by the names the
+    handshake's ``Compatibility`` gives them, with the parallel sizes ``unsupported_settings`` reads."""
+    return msgspec.structs.asdict(kv_byte_settings(vllm_config))
 
 
 def unsupported_settings(fp: dict[str, Any], *, is_consumer: bool) -> list[str]:

@@ -22,7 +22,7 @@ from kv_common.backend import Backend
 from kv_common.config import parse_extra_config
 from kv_common.failure_ledger import FailureLedger
 from kv_common.logging_utils import get_logger
-from kv_common.vllm_compat import base_module, forward_context_kv_caches, model_fingerprint, parallel_ranks
+from kv_common.vllm_compat import base_module, forward_context_kv_caches, kv_byte_settings, parallel_ranks
 
 from kv_store import codec
 from kv_store import keys as keys_mod
@@ -51,21 +51,26 @@ def store_fingerprint(vllm_config: Any) -> dict[str, Any]:
     """Everything that decides whether two instances can exchange a stored block: any setting that
     changes the bytes of a block under the same key. The same on the scheduler and on every worker
     (the PP stage is in the rank tag, not here)."""
-    fp = model_fingerprint(vllm_config)
+    settings = kv_byte_settings(vllm_config)
     model = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    cache = vllm_config.cache_config
-    fp["hash_algo"] = str(getattr(cache, "prefix_caching_hash_algo", ""))
-    fp["revision"] = str(getattr(model, "revision", None) or "")
-    fp["quantization"] = str(getattr(model, "quantization", None) or "")
-    # KV dtype by name: "auto" is the model dtype, so auto-over-bf16 and an explicit bf16 agree
-    cache_dtype = str(getattr(cache, "cache_dtype", "auto") or "auto")
-    if cache_dtype == "auto":
-        cache_dtype = str(getattr(model, "dtype", "")).removeprefix("torch.")
-    fp["cache_dtype"] = cache_dtype
+    # The keys and spellings of the first namespaces: a value spelled otherwise would orphan every
+    # stored block ("dtype" is the model dtype as str(torch.dtype) prints it).
+    fp: dict[str, Any] = {
+        "model": settings.model,
+        "dtype": f"torch.{settings.model_dtype}",
+        "block_size": settings.block_size,
+        "cache_dtype": settings.cache_dtype,
+        "tp_size": settings.tp_size,
+        "pcp_size": settings.pcp_size,
+        "dcp_size": settings.dcp_size,
+        "use_mla": settings.use_mla,
+        "hash_algo": str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "")),
+        "revision": settings.revision,
+        "quantization": settings.quantization,
+    }
     # Layer set: the whole model's layers and how vLLM splits them over the PP stages (an uneven
     # VLLM_PP_LAYER_PARTITION gives a stage other layers under the same stage tag).
-    fp["pp_size"] = pp_stage(parallel)[1]
+    fp["pp_size"] = settings.pipeline_parallel_size
     fp["pp_layer_partition"] = os.environ.get("VLLM_PP_LAYER_PARTITION", "") if fp["pp_size"] > 1 else ""
     for name, getter in (
         ("total_kv_heads", lambda: model.get_total_num_kv_heads()),
