@@ -222,7 +222,7 @@ def build_prom_metrics(
     def per_engine(metric: Any) -> dict[int, Any]:  # as vllm.v1.metrics.utils.create_metric_per_engine
         return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
-    class ConnectorPromMetrics(base):  # type: ignore[misc, valid-type]
+    class ConnectorPromMetrics(base):
         def __init__(self) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
             counter_cls, histogram_cls = metric_types[Counter], metric_types[Histogram]

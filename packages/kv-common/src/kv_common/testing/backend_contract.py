@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import uuid
 
+from kv_common.backend import Backend
+
 
 def _key(tag: str) -> str:
     return f"contract/{uuid.uuid4().hex}/{tag}"
@@ -27,17 +29,17 @@ def _buffers(n: int, size: int) -> tuple[bytearray, list[memoryview]]:
 class BackendContract:
     value_size = 4096
 
-    def _register(self, backend, raw: bytearray) -> None:
+    def _register(self, backend: Backend, raw: bytearray) -> None:
         backend.register_buffer(memoryview(raw))
 
-    def test_missing_keys_are_absent(self, backend):
+    def test_missing_keys_are_absent(self, backend: Backend) -> None:
         keys = [_key("a"), _key("b")]
         assert backend.batch_exists(keys) == [False, False]
         raw, bufs = _buffers(2, self.value_size)
         self._register(backend, raw)
         assert backend.batch_get_into(keys, bufs) == [-1, -1]
 
-    def test_put_then_get_roundtrip(self, backend):
+    def test_put_then_get_roundtrip(self, backend: Backend) -> None:
         n = 4
         keys = [_key(str(i)) for i in range(n)]
         src, src_bufs = _buffers(n, self.value_size)
@@ -50,7 +52,7 @@ class BackendContract:
         assert backend.batch_get_into(keys, dst_bufs) == [self.value_size] * n
         assert dst == src
 
-    def test_mixed_batch_reports_per_key(self, backend):
+    def test_mixed_batch_reports_per_key(self, backend: Backend) -> None:
         present, missing = _key("p"), _key("m")
         src, (buf,) = _buffers(1, self.value_size)
         src[:] = b"\x07" * len(src)
@@ -62,7 +64,7 @@ class BackendContract:
         assert backend.batch_get_into([present, missing], bufs) == [self.value_size, -1]
         assert bytes(bufs[0]) == bytes(src)
 
-    def test_existing_key_keeps_a_value_and_counts_ok(self, backend):
+    def test_existing_key_keeps_a_value_and_counts_ok(self, backend: Backend) -> None:
         key = _key("dup")
         src, (buf,) = _buffers(1, self.value_size)
         src[:] = b"\x01" * len(src)
@@ -75,7 +77,7 @@ class BackendContract:
         assert backend.batch_get_into([key], [out]) == [self.value_size]
         assert bytes(out) == bytes(src)
 
-    def test_get_into_too_small_buffer_is_a_miss_not_an_overrun(self, backend):
+    def test_get_into_too_small_buffer_is_a_miss_not_an_overrun(self, backend: Backend) -> None:
         key = _key("big")
         src, (buf,) = _buffers(1, self.value_size)
         self._register(backend, src)
@@ -86,12 +88,12 @@ class BackendContract:
         assert backend.batch_get_into([key], [small]) == [-1]
         assert dst[self.value_size // 2 :] == bytes(self.value_size // 2)
 
-    def test_empty_batches(self, backend):
+    def test_empty_batches(self, backend: Backend) -> None:
         assert backend.batch_exists([]) == []
         assert backend.batch_put([], []) == []
         assert backend.batch_get_into([], []) == []
 
-    def test_remove_when_supported(self, backend):
+    def test_remove_when_supported(self, backend: Backend) -> None:
         key = _key("rm")
         src, (buf,) = _buffers(1, self.value_size)
         self._register(backend, src)
