@@ -149,7 +149,7 @@ def test_worker_refuses_an_old_format_value_as_a_miss():
     worker.register_kv_caches(caches)
     worker.layout_tag = LAYOUT_A  # as StoreConnectorBase.check_manifest does
     hashes = [bytes([i]) * 32 for i in range(1, 3)]
-    payload = bytes(worker.payload_size)
+    payload = bytes(worker.view.payload_size)
     for key, value in zip(keys.block_keys("ns", "r0", hashes), _old_format(payload), strict=True):
         assert backend.batch_put([key], [bytes(value)]) == [True]
     before = caches["l0"][5:7].clone()

@@ -93,7 +93,7 @@ def test_async_load_larger_than_staging_goes_in_rounds(backend):
 
 def test_async_load_missing_block_fails_only_it_and_later_ones(backend):
     worker, caches = saved_worker(backend, load_mode="async")
-    backend.batch_remove(worker._keys(HASHES[2:3]))  # the third of four blocks is gone
+    backend.batch_remove(worker.keys(HASHES[2:3]))  # the third of four blocks is gone
     worker.start_async(StorePlan(loads=[transfer("x", HASHES, [9, 10, 11, 12])]))
     assert poll_finished(worker) == {"x"}
     assert worker.ledger.take_block_ids_with_load_errors() == {11, 12}  # vLLM recomputes only these
@@ -122,7 +122,7 @@ def test_async_load_past_its_deadline_is_given_up_and_never_lands_late(backend):
     counters = worker.stats.reduce()
     assert counters["load_timeouts"] == 1 and counters["loads_skipped_backend_stalled"] == 1, counters
     backend.release("get")  # the late get returns: nothing of it reaches the KV cache or the ledger
-    late = worker._async_late
+    late = worker.loader._async_late
     assert late is not None
     late.exception(10)  # the late get is over (TimeoutError if it still hangs)
     for name, c in caches.items():
@@ -130,7 +130,7 @@ def test_async_load_past_its_deadline_is_given_up_and_never_lands_late(backend):
     assert worker.ledger.take_block_ids_with_load_errors() == set()
     # The backend answers again: async loads work again (a generous deadline: this load proves
     # the backend answers, not its speed on a loaded machine).
-    worker.config = msgspec.structs.replace(worker.config, load_timeout_s=10.0)
+    worker.loader.config = msgspec.structs.replace(worker.config, load_timeout_s=10.0)
     worker.start_async(StorePlan(loads=[transfer("z", HASHES, [9, 10, 11, 12])]))
     assert poll_finished(worker) == {"z"}
     for c in caches.values():
@@ -148,7 +148,7 @@ def test_request_aborted_while_loading_is_reported_at_once_and_its_blocks_untouc
     assert worker.take_finished_loads({"x"}) == set()
     assert worker.ledger.take_block_ids_with_load_errors() == set()  # nobody recomputes it
     backend.release("get")
-    worker._loader.submit(lambda: None).result(5)  # the loader has passed the aborted load
+    worker.loader._executor.submit(lambda: None).result(5)  # the loader has passed the aborted load
     for name, c in caches.items():
         assert torch.equal(c[9:13], before[name]), f"{name}: an aborted load wrote into freed blocks"
     assert worker.leak_report()["pending_loads"] == 0

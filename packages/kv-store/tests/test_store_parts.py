@@ -71,7 +71,7 @@ def test_parts_and_staging_write_identical_values_and_read_each_other():
     plain = EmbeddedBackend(64 << 20)
     wp, cp = make_worker(parts_backend)
     ws, cs = make_worker(plain)
-    assert wp._parts and not ws._parts
+    assert wp.zero_copy and not ws.zero_copy
     hs = hashes(10)  # more blocks than staging slots: chunked
     assert wp._save_staging.slots < 10
     save(wp, hs, list(range(10)))
@@ -125,7 +125,7 @@ def test_parts_without_checksum_and_trailer_checks():
 def test_registration_failure_falls_back_to_staging():
     backend = PartsBackend(64 << 20, refuse_register=True)
     worker, caches = make_worker(backend)
-    assert not worker._parts
+    assert not worker.zero_copy
     hs = hashes(2)
     save(worker, hs, [1, 2])
     worker.load_sync(StorePlan(loads=[BlockTransfer(request_id="b", block_hashes=hs, block_ids=[[5, 6]])]))

@@ -235,7 +235,7 @@ def test_replica_rank_does_not_write_but_still_loads_and_finishes():
     sched = make_scheduler(backend)
     writer, caches = make_worker(backend)
     replica, replica_caches = make_worker(backend)
-    replica.writes_blocks = False
+    replica.saver.writes_blocks = False
     req = FakeRequest("a", list(range(18)))
     sched.update_state_after_alloc(req, FakeBlocks([1, 2, 3, 4, 5]), 0)
     plan = sched.build_plan(new_req_output(req, [1, 2, 3, 4, 5], 0, 18))

@@ -136,7 +136,7 @@ def saved_worker(backend, **cfg):
     worker, caches = make_worker(backend, **cfg)
     worker.submit_saves(StorePlan(saves=[transfer("w", HASHES, [1, 2, 3, 4])]))
     worker.wait_for_request_saves(["w"])
-    assert backend.batch_exists(worker._keys(HASHES)) == [True] * 4
+    assert backend.batch_exists(worker.keys(HASHES)) == [True] * 4
     return worker, caches
 
 
@@ -229,13 +229,13 @@ def test_hung_load_becomes_a_load_error_within_its_deadline(backend):
     assert counters["load_timeouts"] == 1 and counters["loads_skipped_backend_stalled"] == 1, counters
     # The late fetch returns: nothing of it lands in the KV cache vLLM recomputes, nor in the ledger.
     backend.release("get")
-    wait_until(lambda: not worker._loader_busy())
+    wait_until(lambda: not worker.loader.busy())
     for name, c in caches.items():
         assert torch.equal(c[9:13], before[name]), f"{name}: a late fetch wrote into the KV cache"
     assert worker.ledger.take_block_ids_with_load_errors() == set()
     # The backend answers again: loads work again (a generous deadline: this load proves the
     # backend answers, not its speed on a loaded machine).
-    worker.config = msgspec.structs.replace(worker.config, load_timeout_s=10.0)
+    worker.loader.config = msgspec.structs.replace(worker.config, load_timeout_s=10.0)
     worker.load_sync(StorePlan(loads=[transfer("z", HASHES, [9, 10, 11, 12])]))
     assert worker.ledger.take_block_ids_with_load_errors() == set()
     for c in caches.values():
@@ -267,7 +267,7 @@ def test_hung_save_releases_its_request_and_later_saves_are_skipped(backend):
     assert took < 10, took  # the save deadline, not the 30 s hang
     # Preemption waits at most until the save deadline, too. "s" was given up save_timeout_s after
     # it was submitted; the saver counts from when it started the save, which may be later.
-    wait_until(worker._saver_stalled)
+    wait_until(worker.saver.stalled)
     worker.submit_saves(StorePlan(saves=[transfer("p", [bytes([9]) * 32], [5])]))
     # (skipped: the saver has been stuck for longer than save_timeout_s)
     assert worker.stats.reduce().get("failures_save_skipped_backend_stalled") == 1
@@ -277,8 +277,8 @@ def test_hung_save_releases_its_request_and_later_saves_are_skipped(backend):
     for c in caches.values():
         c[1:5] = 0
     backend.release("put")
-    worker._saver.submit(lambda: None).result(10)  # the saver has passed both chunks of "s"
-    assert backend.batch_exists(worker._keys(HASHES[2:])) == [False, False]
+    worker.saver._executor.submit(lambda: None).result(10)  # the saver has passed both chunks of "s"
+    assert backend.batch_exists(worker.keys(HASHES[2:])) == [False, False]
     assert worker.get_finished({"p"}) == {"p"}  # vLLM finishes the preempted request later
     assert worker.leak_report()["held_requests"] == 0
     worker.close(1)
@@ -308,7 +308,7 @@ def test_a_given_up_save_never_stores_another_requests_kv(checksum):
             c[1:3] = 7.0
         backend.release("put")
         deadline = time.monotonic() + 10
-        while backend.batch_exists(worker._keys(HASHES[:2])) != [True, True] and time.monotonic() < deadline:
+        while backend.batch_exists(worker.keys(HASHES[:2])) != [True, True] and time.monotonic() < deadline:
             time.sleep(0.02)
         worker.load_sync(StorePlan(loads=[transfer("l", HASHES[:2], [9, 10])]))
         failed = worker.ledger.take_block_ids_with_load_errors()
@@ -326,7 +326,7 @@ def test_saves_of_a_healthy_backend_are_not_given_up(backend):
     worker.submit_saves(StorePlan(saves=[transfer("s", HASHES, [1, 2, 3, 4])]))
     worker.wait_for_request_saves(["s"])
     assert worker.get_finished({"s"}) == {"s"}
-    assert backend.batch_exists(worker._keys(HASHES)) == [True] * 4
+    assert backend.batch_exists(worker.keys(HASHES)) == [True] * 4
     assert "save_timeouts" not in worker.stats.reduce()
     worker.close(1)
 

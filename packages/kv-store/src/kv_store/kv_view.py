@@ -1,0 +1,118 @@
+"""The paged KV cache as whole blocks: which bytes of each layer a block id names, and block copies
+between the cache and staging rows.
+
+- Layout: CPU layout per layer is ``[num_blocks, num_kv_heads, block_size, 2*head_size]``; any
+  layout whose first dimension is the block works, since whole blocks move.
+- Devices: every access to KV memory goes through ``kv_common.device``. KV caches in host memory
+  (CPU) are read and written in place as bytes; on cuda / npu the blocks are gathered into pinned
+  host staging (and scattered back) by the device's copy engine, and the copy's event is waited
+  for before a host buffer is read, reused or handed to a backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kv_common import device
+
+from kv_store import codec
+from kv_store.metadata import BlockTransfer
+from kv_store.staging import Staging
+
+
+@dataclass
+class KVLayer:
+    name: str
+    blocks: torch.Tensor  # uint8 view [num_blocks, bytes_per_block]
+    offset: int  # where this layer's bytes start inside a value
+    nbytes: int
+    group: int
+    flat: memoryview | None = None  # the layer's whole KV tensor as bytes (host KV only)
+
+    def block(self, block_id: int) -> memoryview:
+        assert self.flat is not None
+        return self.flat[block_id * self.nbytes : (block_id + 1) * self.nbytes]
+
+
+def block_count(name: str, tensor: torch.Tensor) -> int:
+    if not tensor.is_contiguous():
+        raise ValueError(f"KV cache of layer {name} is not contiguous: cannot move whole blocks")
+    return int(tensor.shape[0])
+
+
+class KVBlockView:
+    """Each layer's KV cache as ``[num_blocks, bytes]``; a value is one block of every layer in
+    registration order, then the trailer."""
+
+    def __init__(self, layers: list[KVLayer], host_kv: bool, kv_device: object) -> None:
+        self.layers = layers
+        self.host_kv = host_kv
+        self.kv_device = kv_device
+        self.payload_size = sum(layer.nbytes for layer in layers)
+        self.value_size = self.payload_size + codec.TRAILER_SIZE
+
+    @classmethod
+    def of(
+        cls, kv_caches: dict[str, torch.Tensor], *, layer_groups: dict[str, int], host_kv: bool | None,
+    ) -> KVBlockView:
+        """``host_kv``: whether to read the caches in place as host bytes (None: when they are host
+        memory; False forces the device copy path)."""
+        tensors = list(kv_caches.values())
+        kv_device = tensors[0].device if tensors else "cpu"
+        auto_host = all(device.is_host(t) for t in tensors)
+        in_place = auto_host if host_kv is None else (host_kv and auto_host)
+        layers: list[KVLayer] = []
+        offset = 0
+        num_blocks = None
+        for name, tensor in kv_caches.items():
+            n = block_count(name, tensor)
+            if num_blocks is None:
+                num_blocks = n
+            elif n != num_blocks:
+                raise ValueError(f"layer {name} has {n} blocks, others {num_blocks}")
+            blocks = tensor.view(torch.uint8).reshape(n, -1)
+            flat = device.host_bytes(blocks) if in_place else None  # host: blocks move as memcpy
+            layers.append(KVLayer(name, blocks, offset, blocks.shape[1], layer_groups.get(name, 0), flat))
+            offset += blocks.shape[1]
+        return cls(layers, in_place, kv_device)
+
+    def block_parts(self, transfer: BlockTransfer, i: int, trailer: memoryview) -> list[memoryview]:
+        """Block ``i`` of ``transfer`` as a parts value: its slice of every layer, then ``trailer``."""
+        return [layer.block(transfer.block_ids[layer.group][i]) for layer in self.layers] + [trailer]
+
+    def gather(self, staging: Staging, transfer: BlockTransfer, lo: int, hi: int) -> None:
+        """Blocks ``lo:hi`` of ``transfer`` into staging rows ``0:hi-lo``; the rows are ready to
+        read when this returns (a device copy is waited for)."""
+        view, vs = staging.view, staging.value_size
+        events = []
+        for layer in self.layers:
+            ids = transfer.block_ids[layer.group]
+            if not self.host_kv:
+                rows = staging.rows[: hi - lo, layer.offset : layer.offset + layer.nbytes]
+                events.append(device.gather_rows(rows, layer.blocks, list(ids[lo:hi])))
+                continue
+            for j, i in enumerate(range(lo, hi)):
+                start = j * vs + layer.offset
+                view[start : start + layer.nbytes] = layer.block(ids[i])
+        for event in events:
+            device.wait_event(event)
+
+    def scatter(self, staging: Staging, transfer: BlockTransfer, row: int, n: int) -> None:
+        """Staging rows ``row:row+n`` into the first ``n`` blocks of ``transfer`` in every layer;
+        staging may be reused on return."""
+        for layer in self.layers:
+            self._scatter_layer(layer, staging, transfer, row, n)
+
+    def _scatter_layer(self, layer: KVLayer, staging: Staging, transfer: BlockTransfer, row: int, n: int) -> None:
+        ids = transfer.block_ids[layer.group]
+        if n <= 0:
+            return
+        if not self.host_kv:
+            rows = staging.rows[row : row + n, layer.offset : layer.offset + layer.nbytes]
+            device.wait_event(device.scatter_rows(layer.blocks, list(ids[:n]), rows))
+            return
+        view, vs = staging.view, staging.value_size
+        for j in range(n):
+            start = (row + j) * vs + layer.offset
+            layer.block(ids[j])[:] = view[start : start + layer.nbytes]

@@ -1,0 +1,370 @@
+"""Loads: whole blocks from the store into the paged cache, each value verified before use.
+
+- In ``start_load_kv`` before the forward ("sync"), or ("async") on the loader thread while vLLM
+  keeps the request out of the batch (WAITING_FOR_REMOTE_KVS); the request is reported in
+  ``finished_recving`` once its blocks are in place, so the forward never waits for a get. No
+  layer-wise mode: a value holds every layer of its block, so the first layer would wait for the
+  whole get (measured: no better than "sync"). A missing, resized or corrupt value becomes a load
+  error for that block and every later block of the request (all KV-cache groups), through the
+  ``FailureLedger``; vLLM then recomputes them.
+- Deadline (a slow or hung backend never stalls the engine): a load not done within
+  ``load_timeout_s`` is a load error for all its blocks (vLLM recomputes them). The late fetch
+  keeps the load staging until it returns, and loads fail at once meanwhile; with a deadline loads
+  always go through staging, so a late write can never land in KV blocks vLLM has recomputed.
+  Results of a late call touch neither the failure ledger nor the reports.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_common.failure_ledger import FailureLedger
+from kv_common.logging_utils import get_logger
+
+from kv_store import codec
+from kv_store.config import StoreConnectorConfig
+from kv_store.kv_view import KVBlockView
+from kv_store.metadata import BlockTransfer, StorePlan
+from kv_store.staging import CacheBuffers, Staging, TrailerArea, spans
+from kv_store.store_access import StoreAccess
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class _Fetched:
+    """Blocks fetched into staging for one request, waiting to be scattered. Filled on the
+    loader thread; recorded (stats, failure ledger) only by the thread that waited for it."""
+
+    transfer: BlockTransfer
+    good: int  # blocks [0, good) verified in staging rows [row, row + good)
+    row: int
+    why: str = ""  # why block ``good`` is not usable ("" when all are)
+    seconds: float = 0.0
+
+
+@dataclass
+class _AsyncLoad:
+    """One request's load in ``load_mode`` "async", run on the loader thread while the request
+    waits outside the forward (vLLM's WAITING_FOR_REMOTE_KVS). The loader appends each verified
+    and scattered part to ``fetched``; ``given_up`` (set under ``StoreLoader._async_lock``) stops
+    it before its next scatter, so nothing lands in the blocks once the request is reported."""
+
+    transfer: BlockTransfer
+    deadline: float | None  # time.monotonic(); None: no load_timeout_s
+    future: Future | None = None  # None: failed at once (the backend is still stuck)
+    fetched: list[_Fetched] = field(default_factory=list)
+    given_up: str = ""  # "timeout" | "aborted" | "stalled" once given up
+    aborted: bool = False  # vLLM finished (aborted) the request while it loaded
+
+
+class StoreLoader:
+    def __init__(self, store: StoreAccess, config: StoreConnectorConfig, *, ledger: FailureLedger) -> None:
+        self._store = store
+        self.config = config
+        self.ledger = ledger
+        self._cache: CacheBuffers | None = None  # from register_kv_caches
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-load")
+        # A load that missed its deadline and still runs: it owns the load staging until done.
+        self._late_fetch: Future | None = None
+        # load_mode "async": request id -> its load, until reported in finished_recving (once).
+        self._async_lock = threading.Lock()
+        self._async_loads: dict[str, _AsyncLoad] = {}
+        self._async_late: Future | None = None  # a load given up at its deadline that still runs
+
+    def attach(self, cache: CacheBuffers) -> None:
+        self._cache = cache
+
+    @property
+    def pending(self) -> int:
+        """Async loads not yet reported."""
+        return len(self._async_loads)
+
+    # ---- fetch and verify -----------------------------------------------------------------
+    def _fetch_into(self, plan_loads: Sequence[BlockTransfer], staging: Staging) -> list[_Fetched]:
+        """Fetch and verify values into staging rows (may run on the loader thread: records
+        nothing, see ``_record_fetched``). Requests beyond the staging capacity are fetched in
+        later rounds by the caller."""
+        assert self._cache is not None
+        view = self._cache.view
+        out: list[_Fetched] = []
+        row = 0
+        for transfer in plan_loads:
+            n = len(transfer.block_hashes)
+            keys = self._store.keys(transfer.block_hashes)
+            values = staging.values(staging.slots)[row : row + n]
+            good, why, seconds = self._fetch_checked(
+                transfer, keys, values, self._store.backend.batch_get_into,
+                lambda value, nbytes: self._store.seal.check(value, view.payload_size, nbytes),
+            )
+            out.append(_Fetched(transfer, good, row, why, seconds))
+            row += n
+        return out
+
+    def _fetch_checked(self, transfer: BlockTransfer, keys: list[str], values: list[Any],
+                       get: Callable[[list[str], list[Any]], Sequence[int]],
+                       check: Callable[[Any, int], str | None]) -> tuple[int, str, float]:
+        """Fetch ``values`` in cache-sized passes and check each pass as soon as it landed, while
+        its bytes are still in cache: (leading intact blocks, why the next is not, seconds in the
+        get). Stops at the first bad block: the blocks after it are recomputed anyway. A get that
+        raises is a miss (a dead store)."""
+        assert self._cache is not None
+        good, seconds = 0, 0.0
+        for lo, hi in spans(len(keys), codec.blocks_per_pass(self._cache.view.value_size, len(keys))):
+            t0 = time.perf_counter()
+            try:
+                results = get(keys[lo:hi], values[lo:hi])
+            except Exception as exc:  # noqa: BLE001 - a dead store is a miss
+                logger.warning("store get failed for %s: %s", transfer.request_id, exc)
+                results = [-1] * (hi - lo)
+            seconds += time.perf_counter() - t0
+            for i, nbytes in enumerate(results, lo):
+                if nbytes < 0:
+                    return good, "miss", seconds
+                problem = check(values[i], nbytes)
+                if problem is not None:
+                    return good, f"corrupt ({problem})", seconds
+                good += 1
+        return good, "", seconds
+
+    def _record_fetched(self, fetched: Sequence[_Fetched]) -> None:
+        for f in fetched:
+            self._record_get(f.transfer, f.good, f.why, f.seconds)
+
+    def _record_get(self, transfer: BlockTransfer, good: int, why: str, seconds: float) -> None:
+        """Stats for a fetch; the first bad block and all after it are reported for recompute."""
+        assert self._cache is not None
+        self._store.stats.record_get(good * self._cache.view.value_size, seconds)
+        self._store.stats.incr("blocks_loaded", good)
+        if good < len(transfer.block_hashes):
+            self._fail(transfer, good, why)
+
+    def _fail(self, transfer: BlockTransfer, good: int, why: str) -> None:
+        n = len(transfer.block_hashes)
+        kind = why if why in ("miss", "timeout") else "corrupt"
+        self._store.stats.record_failure(kind)
+        self._store.stats.incr("blocks_load_failed", n - good)
+        logger.warning(
+            "store load of %s: block %d of %d %s; %d block(s) reported for recompute",
+            transfer.request_id, good, n, why, n - good,
+        )
+        self.ledger.record_failed_load(transfer.request_id, [g[good:] for g in transfer.block_ids])
+        if kind == "corrupt":
+            # Self-healing: drop the bad value so the recomputed block can be saved in its place
+            # (the scheduler rewinds that request's saves on the "removed" report).
+            try:
+                self._store.backend.batch_remove(self._store.keys([transfer.block_hashes[good]]))
+            except Exception as exc:  # noqa: BLE001 - best effort: it stays a miss-then-recompute
+                logger.warning("store: could not remove a corrupt value: %s", exc)
+        if kind != "timeout":  # a block that timed out may well be in the store
+            self._store.report.add_removed(transfer.block_hashes[good])
+
+    def _fail_all(self, loads: Sequence[BlockTransfer], already: set[str], why: str) -> None:
+        for transfer in loads:
+            if transfer.request_id in already:
+                self.ledger.record_failed_load(transfer.request_id, transfer.block_ids)
+            else:
+                already.add(transfer.request_id)
+                self._fail(transfer, 0, why)
+
+    # ---- synchronous loads (before the forward) ------------------------------------------
+    def busy(self) -> bool:
+        """True while a fetch that missed its deadline still runs (it owns the load staging)."""
+        late = self._late_fetch
+        if late is None:
+            return False
+        if late.done():
+            self._late_fetch = None
+            return False
+        return True
+
+    def _fetch_bounded(
+        self, loads: Sequence[BlockTransfer], staging: Staging, deadline: float | None
+    ) -> list[_Fetched] | None:
+        """``_fetch_into`` within ``deadline``; None when it missed it (or a late one still runs)."""
+        if self.busy():
+            self._store.stats.incr("loads_skipped_backend_stalled")
+            return None
+        if deadline is None:
+            return self._fetch_into(loads, staging)
+        future = self._executor.submit(self._fetch_into, list(loads), staging)
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            self._late_fetch = future
+            self._store.stats.incr("load_timeouts")
+            logger.warning("store load not done within %.1fs: its blocks are recomputed", self.config.load_timeout_s)
+            return None
+
+    @staticmethod
+    def _rounds(loads: Sequence[BlockTransfer], slots: int) -> list[list[BlockTransfer]]:
+        """Group loads so each round fits the staging rows (splitting large requests)."""
+        rounds: list[list[BlockTransfer]] = [[]]
+        used = 0
+        for transfer in loads:
+            n = len(transfer.block_hashes)
+            for lo, hi in spans(n, slots):
+                part = BlockTransfer(
+                    request_id=transfer.request_id,
+                    block_hashes=transfer.block_hashes[lo:hi],
+                    block_ids=[g[lo:hi] for g in transfer.block_ids],
+                )
+                if used + (hi - lo) > slots:
+                    rounds.append([])
+                    used = 0
+                rounds[-1].append(part)
+                used += hi - lo
+        return [r for r in rounds if r]
+
+    def _load_parts(self, view: KVBlockView, transfer: BlockTransfer, trailers: TrailerArea) -> int:
+        """Fetch ``transfer`` straight into its KV blocks; verify; record failures. Blocks at and
+        after the first bad one are reported for recompute (whatever landed in them)."""
+        n = len(transfer.block_hashes)
+        values = [view.block_parts(transfer, i, trailers[i]) for i in range(n)]
+        good, why, seconds = self._fetch_checked(
+            transfer, self._store.keys(transfer.block_hashes), values,
+            self._store.backend.batch_get_parts,  # type: ignore[attr-defined]
+            self._store.seal.check_parts,
+        )
+        self._record_get(transfer, good, why, seconds)
+        return good
+
+    def _deadline(self) -> float | None:
+        timeout = self.config.load_timeout_s
+        return time.monotonic() + timeout if timeout > 0 else None
+
+    def load_sync(self, plan: StorePlan) -> None:
+        if self._cache is None or not plan.loads:
+            return
+        view, staging, trailers = self._cache.view, self._cache.staging, self._cache.trailers
+        failed: set[str] = set()
+        deadline = self._deadline()
+        if trailers is not None and deadline is None:  # zero copy into the KV cache: only without a deadline
+            for part in self._rounds(plan.loads, trailers.slots):
+                for transfer in part:
+                    if transfer.request_id in failed:
+                        self.ledger.record_failed_load(transfer.request_id, transfer.block_ids)
+                    elif self._load_parts(view, transfer, trailers) < len(transfer.block_hashes):
+                        failed.add(transfer.request_id)
+            return
+        rounds = self._rounds(plan.loads, staging.slots)
+        for k, round_loads in enumerate(rounds):
+            todo = []
+            for load in round_loads:
+                if load.request_id in failed:
+                    # an earlier part of this request failed: nothing after it is valid
+                    self.ledger.record_failed_load(load.request_id, load.block_ids)
+                else:
+                    todo.append(load)
+            fetched = self._fetch_bounded(todo, staging, deadline)
+            if fetched is None:
+                self._fail_all([p for r in rounds[k:] for p in r], failed, "timeout")
+                return
+            self._record_fetched(fetched)
+            for f in fetched:
+                view.scatter(staging, f.transfer, f.row, f.good)
+                if f.good < len(f.transfer.block_hashes):
+                    failed.add(f.transfer.request_id)
+
+    # ---- asynchronous loads (load_mode "async") -------------------------------------------
+    def start_async(self, plan: StorePlan) -> None:
+        """Queue each load on the loader thread and return at once: the forward never waits for
+        it. Each request is reported by ``take_finished`` once its blocks are in place (or
+        failed, or given up at its deadline)."""
+        if self._cache is None:
+            return
+        for transfer in plan.loads:
+            if transfer.request_id in self._async_loads:  # started when the plan was bound
+                continue
+            job = _AsyncLoad(transfer, self._deadline())
+            late = self._async_late
+            if late is not None and not late.done():
+                # A load given up at its deadline still holds the loader: fail this one at once
+                # (reported next step) instead of queueing it behind the stuck call.
+                job.given_up = "stalled"
+                self._store.stats.incr("loads_skipped_backend_stalled")
+            else:
+                job.future = self._executor.submit(self._run_async, job)
+            self._async_loads[transfer.request_id] = job
+
+    def _run_async(self, job: _AsyncLoad) -> None:
+        """Loader thread: fetch, verify and scatter ``job`` round by round through the load
+        staging (only this thread uses it in async mode). Records nothing but ``job.fetched``."""
+        assert self._cache is not None
+        view, staging = self._cache.view, self._cache.staging
+        for part in self._rounds([job.transfer], staging.slots):
+            with self._async_lock:
+                if job.given_up:
+                    return
+            fetched = self._fetch_into(part, staging)
+            with self._async_lock:  # a give-up waits for this scatter (memory speed), never a get
+                if job.given_up:
+                    return
+                for f in fetched:
+                    view.scatter(staging, f.transfer, f.row, f.good)
+                job.fetched.extend(fetched)
+            if any(f.good < len(f.transfer.block_hashes) for f in fetched):
+                return  # later blocks of the request are not valid after a bad one
+
+    def take_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose async load is over, each reported exactly once: done, failed (its bad
+        blocks and all after them are in the failure ledger, so vLLM recomputes only those),
+        past ``load_timeout_s`` (given up: the rest is recomputed), or aborted by vLLM (its blocks
+        are freed only once reported here)."""
+        done: set[str] = set()
+        if not self._async_loads:
+            return done
+        now = time.monotonic()
+        for req_id, job in list(self._async_loads.items()):
+            if req_id in finished_req_ids:
+                job.aborted = True
+            if job.future is not None and not job.future.done():
+                if job.aborted:
+                    why = "aborted"
+                elif job.deadline is not None and now > job.deadline:
+                    why = "timeout"
+                else:
+                    continue
+                with self._async_lock:
+                    if not job.future.done():
+                        job.given_up = why
+                if job.given_up == "timeout":
+                    self._async_late = job.future
+                    self._store.stats.incr("load_timeouts")
+                    logger.warning("store load of %s not done within %.1fs: its blocks are recomputed",
+                                   req_id, self.config.load_timeout_s)
+            del self._async_loads[req_id]
+            done.add(req_id)
+            self._account_async(job)
+        return done
+
+    def _account_async(self, job: _AsyncLoad) -> None:
+        """Stats and failure ledger for a finished async load (on the thread that reports it)."""
+        with self._async_lock:
+            fetched = list(job.fetched)
+        self._record_fetched(fetched)  # a bad block: it and every later block of its part
+        transfer = job.transfer
+        covered = sum(len(f.transfer.block_hashes) for f in fetched)
+        if job.aborted or covered >= len(transfer.block_hashes):
+            return  # all accounted for (a bad block was reported above), or nobody reads them
+        remaining = [g[covered:] for g in transfer.block_ids]  # blocks never fetched
+        if fetched and fetched[-1].good < len(fetched[-1].transfer.block_hashes):
+            self.ledger.record_failed_load(transfer.request_id, remaining)  # after a bad block
+        elif job.given_up:  # timeout, or failed at once while the backend is stuck
+            self._fail(BlockTransfer(request_id=transfer.request_id, block_hashes=transfer.block_hashes[covered:],
+                                     block_ids=remaining), 0, "timeout")
+        else:  # the loader raised
+            error = job.future.exception() if job.future is not None else None
+            logger.warning("store load of %s failed (%s): its blocks are recomputed", transfer.request_id, error)
+            self._store.stats.record_failure("load_error")
+            self._store.stats.incr("blocks_load_failed", len(remaining[0]) if remaining else 0)
+            self.ledger.record_failed_load(transfer.request_id, remaining)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,263 @@
+"""Saves: whole blocks from the paged cache into the store, off the forward's critical path.
+
+- Queued in ``wait_for_save`` (the forward has written the blocks) and run by one background
+  thread. A request with a save in flight is reported in ``finished_sending`` only when its saves
+  are done; the scheduler side keeps its blocks alive until then (the pending frees).
+- On a device, a save first waits for an event recorded on the forward's stream when it was queued.
+- Deadline (a slow or hung backend never stalls the engine): a save not done within
+  ``save_timeout_s`` is given up: its request is reported finished (vLLM frees its blocks), no
+  later chunk of it is gathered, and new saves are skipped while the backend stays stuck. Results
+  of a late call touch no report.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from kv_common import device
+from kv_common.logging_utils import get_logger
+
+from kv_store import codec
+from kv_store.config import StoreConnectorConfig
+from kv_store.kv_view import KVBlockView
+from kv_store.metadata import BlockTransfer, StorePlan
+from kv_store.staging import CacheBuffers, TrailerArea, spans
+from kv_store.store_access import StoreAccess
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class _SaveJob:
+    future: Future
+    submitted: float  # time.monotonic()
+
+
+class StoreSaver:
+    def __init__(self, store: StoreAccess, config: StoreConnectorConfig, *, writes_blocks: bool) -> None:
+        self._store = store
+        self.config = config
+        # False on a rank whose tag another rank already writes (MLA, replicated GQA heads).
+        self.writes_blocks = writes_blocks
+        self._cache: CacheBuffers | None = None  # from register_kv_caches
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-save")
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[_SaveJob]] = defaultdict(list)
+        # Saves given up after save_timeout_s: no later chunk of them is gathered (their blocks
+        # may belong to other requests by then). Held under _gather_lock while gathering.
+        self._gather_lock = threading.Lock()
+        self._released: dict[str, list[_SaveJob]] = {}
+        self._saving_since: float | None = None  # when the running save started
+        self._finished: set[str] = set()  # vLLM finished these; report once their saves are done
+
+    def attach(self, cache: CacheBuffers) -> None:
+        self._cache = cache
+
+    def submit(self, plan: StorePlan) -> None:
+        if not self.writes_blocks:
+            # Nothing to write, but vLLM frees a held request only when every rank reports it
+            # finished: remember it with no pending saves.
+            self._hold_without_saves(plan.saves)
+            return
+        if self.stalled():
+            blocks = sum(len(t.block_hashes) for t in plan.saves)
+            self._store.stats.record_failure("save_skipped_backend_stalled")
+            self._store.stats.incr("blocks_save_failed", blocks)
+            logger.warning("store save of %d block(s) skipped: the backend has not finished a save in %.0fs",
+                           blocks, self.config.save_timeout_s)
+            self._hold_without_saves(plan.saves)
+            return
+        assert self._cache is not None
+        view = self._cache.view
+        # The forward that wrote these blocks may still run on the device: the save waits for it.
+        fence = None if view.host_kv else device.record_event(view.kv_device)
+        for transfer in plan.saves:
+            job = _SaveJob(self._executor.submit(self._save, transfer, fence), time.monotonic())
+            with self._lock:
+                self._pending[transfer.request_id].append(job)
+
+    def _hold_without_saves(self, saves: Sequence[BlockTransfer]) -> None:
+        with self._lock:
+            for transfer in saves:
+                self._pending.setdefault(transfer.request_id, [])
+
+    def _parts_saves_safe(self) -> bool:
+        """A zero-copy put lets the backend read the KV blocks themselves, possibly late: after a
+        save was given up (save_timeout_s), from blocks vLLM gave to another request. The check
+        sealed before the release catches that at load time; without one, saves use staging."""
+        return self._store.seal.detects_stale_bytes or self.config.save_timeout_s <= 0
+
+    def stalled(self) -> bool:
+        """True while the running save has taken longer than ``save_timeout_s``."""
+        since = self._saving_since
+        timeout = self.config.save_timeout_s
+        return timeout > 0 and since is not None and time.monotonic() - since > timeout
+
+    def _save(self, transfer: BlockTransfer, fence: object = None) -> None:
+        self._saving_since = time.monotonic()
+        try:
+            device.wait_event(fence)
+            self._save_blocks(transfer)
+        finally:
+            self._saving_since = None
+
+    def _save_blocks(self, transfer: BlockTransfer) -> None:
+        assert self._cache is not None
+        view, staging, trailers = self._cache.view, self._cache.staging, self._cache.trailers
+        if transfer.request_id in self._released:
+            return
+        keys = self._store.keys(transfer.block_hashes)
+        try:
+            present = self._store.backend.batch_exists(keys)
+        except Exception as exc:  # noqa: BLE001 - store down: nothing saved, nothing fails
+            self._store.stats.record_failure("put_error")
+            logger.warning("store save of %s skipped: exists check failed (%s)", transfer.request_id, exc)
+            return
+        todo = [i for i, p in enumerate(present) if not p]
+        if trailers is not None and self._parts_saves_safe():
+            self._save_parts(view, transfer, keys, todo, trailers)
+            return
+        # Runs of consecutive blocks to save, in cache-sized passes: gather, seal and put read
+        # bytes the previous step just touched.
+        for lo, hi in spans(len(todo), codec.blocks_per_pass(view.value_size, staging.slots)):
+            idx = todo[lo:hi]
+            sub = BlockTransfer(
+                request_id=transfer.request_id,
+                block_hashes=[transfer.block_hashes[i] for i in idx],
+                block_ids=[[g[i] for i in idx] for g in transfer.block_ids],
+            )
+            n = len(idx)
+            with self._gather_lock:
+                if transfer.request_id in self._released:
+                    return  # given up: its blocks may hold another request's KV by now
+                view.gather(staging, sub, 0, n)
+            values = staging.values(n)
+            for value in values:
+                self._store.seal.write(value, view.payload_size)
+            self._put(view, transfer.request_id, sub.block_hashes, [keys[i] for i in idx], values,
+                      self._store.backend.batch_put)
+
+    def _save_parts(self, view: KVBlockView, transfer: BlockTransfer, keys: Sequence[str], todo: Sequence[int],
+                    trailers: TrailerArea) -> None:
+        # cache-sized passes: the backend copies the bytes the seal has just read
+        for lo, hi in spans(len(todo), codec.blocks_per_pass(view.value_size, trailers.slots)):
+            idx = todo[lo:hi]
+            values = []
+            with self._gather_lock:
+                if transfer.request_id in self._released:
+                    return
+                for slot, i in enumerate(idx):
+                    parts = view.block_parts(transfer, i, trailers[slot])
+                    self._store.seal.seal_parts(parts)
+                    values.append(parts)
+            put = self._store.backend.batch_put_parts  # type: ignore[attr-defined]
+            self._put(view, transfer.request_id, [transfer.block_hashes[i] for i in idx], [keys[i] for i in idx],
+                      values, put)
+
+    def _put(self, view: KVBlockView, request_id: str, hashes: Sequence[bytes], keys: list[str], values: list[Any],
+             put: Callable[[list[str], list[Any]], Sequence[bool]]) -> None:
+        """One backend put; stats and the stored-blocks report."""
+        t0 = time.perf_counter()
+        try:
+            ok = put(keys, values)
+        except Exception as exc:  # noqa: BLE001
+            ok = [False] * len(keys)
+            logger.warning("store put failed for %s: %s", request_id, exc)
+        seconds = time.perf_counter() - t0
+        stored = [h for h, good in zip(hashes, ok, strict=True) if good]
+        self._store.stats.record_put(len(stored) * view.value_size, seconds)
+        self._store.stats.incr("blocks_saved", len(stored))
+        if len(stored) < len(hashes):
+            self._store.stats.record_failure("put_failed")
+            self._store.stats.incr("blocks_save_failed", len(hashes) - len(stored))
+        self._store.report.add_stored(stored)
+
+    def wait_for(self, request_ids: Sequence[str]) -> None:
+        """Block until the saves of ``request_ids`` finished (their blocks are about to be reused),
+        at most until each save's deadline; a save still running then is given up."""
+        timeout = self.config.save_timeout_s
+        for req_id in request_ids:
+            with self._lock:
+                jobs = list(self._pending.get(req_id, ()))
+            for job in jobs:
+                try:
+                    job.future.exception(timeout=max(0.0, job.submitted + timeout - time.monotonic())
+                                         if timeout > 0 else None)
+                except FutureTimeout:
+                    self._release(req_id)
+                    break
+
+    def _release(self, req_id: str) -> None:
+        """Give up the saves of ``req_id``: none of its blocks is read after this returns."""
+        with self._gather_lock, self._lock:
+            jobs = self._pending.pop(req_id, [])
+            self._released[req_id] = jobs
+            for job in jobs:
+                job.future.cancel()
+        self._store.stats.incr("save_timeouts")
+        self._store.stats.record_failure("save_timeout")
+        logger.warning("store save of %s not done within %.0fs: given up, its blocks are released",
+                       req_id, self.config.save_timeout_s)
+
+    def _overdue(self, jobs: Sequence[_SaveJob], now: float) -> bool:
+        timeout = self.config.save_timeout_s
+        return timeout > 0 and all(j.future.done() or now - j.submitted > timeout for j in jobs)
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose saves are now over (done or given up): their blocks may
+        be freed."""
+        done: set[str] = set()
+        overdue: list[str] = []
+        now = time.monotonic()
+        with self._lock:
+            self._finished |= set(finished_req_ids)
+            for req_id in list(self._finished):
+                jobs = self._pending.get(req_id)
+                if jobs is None:
+                    self._finished.discard(req_id)  # never saved (or given up): nothing held
+                    if req_id in self._released:
+                        done.add(req_id)
+                    continue
+                if all(j.future.done() for j in jobs):
+                    del self._pending[req_id]
+                    self._finished.discard(req_id)
+                    done.add(req_id)
+                elif self._overdue(jobs, now):
+                    overdue.append(req_id)
+            for req_id, jobs in list(self._released.items()):  # forget given-up saves once over
+                if all(j.future.done() for j in jobs) and req_id not in self._finished:
+                    del self._released[req_id]
+        for req_id in overdue:
+            self._release(req_id)  # its blocks are freed by vLLM once reported here
+            with self._lock:
+                self._finished.discard(req_id)
+            done.add(req_id)
+        return done
+
+    def leak_report(self) -> dict[str, int]:
+        with self._lock:
+            pending = sum(1 for js in self._pending.values() for j in js if not j.future.done())
+            held = len(self._pending)
+        return {"pending_saves": pending, "held_requests": held}
+
+    def close(self, deadline: float) -> None:
+        """Wait for the saves in flight until ``deadline`` (time.monotonic()), then stop."""
+        with self._lock:
+            futures = [j.future for js in self._pending.values() for j in js]
+        for future in futures:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.warning("store worker: shutting down with saves still in flight")
+                break
+            try:
+                future.exception(timeout=remaining)
+            except Exception:  # noqa: BLE001 - timeout
+                break
+        self._executor.shutdown(wait=False, cancel_futures=True)

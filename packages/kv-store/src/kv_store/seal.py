@@ -1,0 +1,36 @@
+"""How this worker seals its values and checks the ones it loads: the checksum setting, the
+deployment's MAC key and the layout tag, held once for the saver and the loader (the format
+itself is ``codec``'s)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kv_store import codec
+
+
+class ValueSeal:
+    def __init__(self, checksum: bool, mac_key: bytes | None) -> None:
+        self.checksum = checksum
+        self.mac_key = mac_key
+        # 64-bit digest of this worker's layout (``manifest.layout_tag``), set by the connector
+        # before the first step: sealed into every value and checked on every load (``codec``).
+        self.layout_tag = 0
+
+    def write(self, value: memoryview, payload_size: int) -> None:
+        codec.write_trailer(value, payload_size, self.checksum, self.mac_key, self.layout_tag)
+
+    def check(self, value: memoryview, payload_size: int, nbytes: int) -> str | None:
+        return codec.check_value(value, payload_size, nbytes, self.mac_key, self.layout_tag)
+
+    def seal_parts(self, parts: Sequence[memoryview]) -> None:
+        """``parts``: a value's payload slices, then its trailer."""
+        codec.seal_parts(parts[:-1], parts[-1], self.checksum, self.mac_key, self.layout_tag)
+
+    def check_parts(self, parts: Sequence[memoryview], nbytes: int) -> str | None:
+        return codec.check_parts(parts[:-1], parts[-1], nbytes, self.mac_key, self.layout_tag)
+
+    @property
+    def detects_stale_bytes(self) -> bool:
+        """Whether a load can tell a value from bytes that changed under its put (any check)."""
+        return self.checksum or self.mac_key is not None

@@ -1,0 +1,131 @@
+"""Host memory the worker registers with the backend once, at ``register_kv_caches``.
+
+- Staging: value-sized rows that blocks are gathered into before a put and fetched into before
+  their scatter (pinned host memory when the KV cache is on a device).
+- Zero-copy "parts" path: a backend that also offers ``batch_put_parts(keys, parts)`` and
+  ``batch_get_parts(keys, parts)`` (each value given as a list of buffers: one block slice per
+  layer, then its 16-byte trailer) moves values straight between the paged KV cache and the store:
+  no staging copy, the checksum computed and verified over the KV slices in place. The worker
+  registers every layer's KV tensor with such a backend (``register_buffer``), and two trailer
+  areas (saves, loads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from kv_common import device
+from kv_common.backend import Backend
+from kv_common.logging_utils import get_logger
+
+from kv_store import codec
+
+if TYPE_CHECKING:
+    from kv_store.kv_view import KVBlockView
+
+logger = get_logger(__name__)
+
+
+def spans(n: int, size: int) -> list[tuple[int, int]]:
+    """``[0, n)`` cut into ``(lo, hi)`` passes of at most ``size``."""
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _unregister(backend: Backend, view: memoryview) -> None:
+    try:
+        backend.unregister_buffer(view)
+    except Exception:  # noqa: BLE001 - best effort at shutdown
+        pass
+
+
+class Staging:
+    """``slots`` contiguous value-sized buffers, registered with the backend once."""
+
+    def __init__(self, value_size: int, total_bytes: int, backend: Backend, kv_device: object = "cpu") -> None:
+        self.value_size = value_size
+        self.slots = max(1, total_bytes // value_size)
+        self.tensor = device.host_buffer(self.slots * value_size, kv_device)  # pinned for a device
+        self.view = device.host_bytes(self.tensor)
+        self.rows = self.tensor.view(self.slots, value_size)
+        self._backend = backend
+        backend.register_buffer(self.view)
+
+    def values(self, n: int) -> list[memoryview]:
+        vs = self.value_size
+        return [self.view[i * vs : (i + 1) * vs] for i in range(n)]
+
+    def close(self) -> None:
+        _unregister(self._backend, self.view)
+
+
+class TrailerArea:
+    """``slots`` trailers of parts values (a value's last part), registered with the backend."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.slots = len(view) // codec.TRAILER_SIZE
+
+    def __getitem__(self, slot: int) -> memoryview:
+        ts = codec.TRAILER_SIZE
+        return self.view[slot * ts : (slot + 1) * ts]
+
+
+@dataclass(frozen=True)
+class CacheBuffers:
+    """The registered KV cache and one role's buffers: its staging rows and, on the zero-copy
+    parts path, its trailer area (None: staging path)."""
+
+    view: KVBlockView
+    staging: Staging
+    trailers: TrailerArea | None
+
+
+def supports_parts(backend: Backend) -> bool:
+    return callable(getattr(backend, "batch_put_parts", None)) and callable(getattr(backend, "batch_get_parts", None))
+
+
+class ZeroCopyParts:
+    """The KV tensors and two trailer areas, registered with a parts backend."""
+
+    save_trailers: TrailerArea
+    load_trailers: TrailerArea
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._registered: list[memoryview] = []
+        self._tensors: list[torch.Tensor] = []  # keep the trailer areas' memory alive
+
+    @classmethod
+    def register(cls, backend: Backend, view: KVBlockView, slots: int) -> ZeroCopyParts | None:
+        """None (staging path) when a registration fails."""
+        parts = cls(backend)
+        seen: set[tuple[int, int]] = set()
+        try:
+            for layer in view.layers:
+                span = (device.data_ptr(layer.blocks), layer.blocks.numel())
+                if span not in seen:  # layers may share one allocation
+                    seen.add(span)
+                    assert layer.flat is not None  # host KV: every layer has one
+                    parts._add(layer.flat)
+            for _ in range(2):
+                tensor = torch.zeros(slots * codec.TRAILER_SIZE, dtype=torch.uint8)
+                parts._add(device.host_bytes(tensor))
+                parts._tensors.append(tensor)
+        except Exception as exc:  # noqa: BLE001 - e.g. overlapping registrations: use staging
+            logger.warning("store worker: zero-copy path unavailable (%s); using staging buffers", exc)
+            parts.close()
+            return None
+        parts.save_trailers = TrailerArea(parts._registered[-2])
+        parts.load_trailers = TrailerArea(parts._registered[-1])
+        return parts
+
+    def _add(self, view: memoryview) -> None:
+        self._backend.register_buffer(view)
+        self._registered.append(view)
+
+    def close(self) -> None:
+        for view in self._registered:
+            _unregister(self._backend, view)
+        self._registered = []
