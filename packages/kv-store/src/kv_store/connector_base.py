@@ -140,6 +140,17 @@ def hash_seed_warning(hash_algo: str, environ: Any = None) -> str | None:
     return None
 
 
+def _kv_heads(vllm_config: Any, use_mla: bool) -> dict[str, Any]:
+    """KV heads on this rank and head size, for the worker to find the block dimension of the KV
+    tensors (``kv_common.kv_layout.infer_roles``); {} when the model config cannot tell."""
+    model = vllm_config.model_config
+    try:
+        heads = 1 if use_mla else int(model.get_num_kv_heads(vllm_config.parallel_config))
+        return {"kv_heads": heads, "head_size": int(model.get_head_size()), "use_mla": use_mla}
+    except Exception:  # noqa: BLE001 - partial configs in unit tests: the worker reads the strides
+        return {}
+
+
 class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined]  # vLLM's, at run time
     connector_name: str = "StoreConnector"
     config_type: type[StoreConnectorConfig] = StoreConnectorConfig
@@ -204,6 +215,7 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
             self._worker = StoreWorker(
                 backend=self.backend, namespace=self.namespace, rank_tag=tag, config=cfg,
                 layer_groups=groups, stats=self.stats, ledger=self.ledger, writes_blocks=writes,
+                **_kv_heads(vllm_config, bool(fp["use_mla"])),
             )
             self._layer_groups = groups
 

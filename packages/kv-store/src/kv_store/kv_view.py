@@ -1,8 +1,12 @@
 """The paged KV cache as whole blocks: which bytes of each layer a block id names, and block copies
 between the cache and staging rows.
 
-- Layout: CPU layout per layer is ``[num_blocks, num_kv_heads, block_size, 2*head_size]``; any
-  layout whose first dimension is the block works, since whole blocks move.
+- Layout: a value copies whole blocks, so each block must be one contiguous run of bytes with
+  blocks outermost (``kv_common.kv_layout.whole_block_bytes``). The block dimension is found by
+  ``infer_roles`` from the KV heads on this rank and the head size (vLLM 0.32's CPU layout
+  ``[num_blocks, num_kv_heads, block_size, 2*head_size]``, FlashInfer's, MLA's ...); without them,
+  by its stride (the largest). Older vLLM's CUDA ``[2, num_blocks, ...]`` is refused: there a
+  block's K and V lie half a tensor apart, and ``shape[0]`` would count 2 "blocks".
 - Devices: every access to KV memory goes through ``kv_common.device``. KV caches in host memory
   (CPU) are read and written in place as bytes; on cuda / npu the blocks are gathered into pinned
   host staging (and scattered back) by the device's copy engine, and the copy's event is waited
@@ -11,14 +15,25 @@ between the cache and staging rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from kv_common import device
+from kv_common.kv_layout import ROLES, KVPart, LayoutError, infer_roles, whole_block_bytes
 
 from kv_store import codec
 from kv_store.metadata import BlockTransfer
 from kv_store.staging import Staging
+
+
+@dataclass(frozen=True)
+class KVHeads:
+    """What ``infer_roles`` needs to name a KV tensor's dimensions (from vLLM's model config)."""
+
+    kv_heads: int  # on this rank
+    head_size: int
+    use_mla: bool = False
 
 
 @dataclass
@@ -35,10 +50,32 @@ class KVLayer:
         return self.flat[block_id * self.nbytes : (block_id + 1) * self.nbytes]
 
 
-def block_count(name: str, tensor: torch.Tensor) -> int:
+def _roles_by_stride(strides: Sequence[int]) -> tuple[str, ...]:
+    """Heads unknown: the largest-stride dimension is the block (the first on a tie); the others
+    only need distinct names for ``whole_block_bytes``."""
+    block = max(range(len(strides)), key=lambda i: (strides[i], -i))
+    others = iter(r for r in ROLES if r != "block")
+    try:
+        return tuple("block" if i == block else next(others) for i in range(len(strides)))
+    except StopIteration:
+        raise LayoutError(f"KV tensor with strides {tuple(strides)}: more dimensions than {ROLES}") from None
+
+
+def block_count(name: str, tensor: torch.Tensor, heads: KVHeads | None) -> int:
+    """Blocks in ``tensor``; ``LayoutError`` (naming the shape) unless ``[blocks, bytes]`` is a view
+    of it."""
+    shape = tuple(int(x) for x in tensor.shape)
     if not tensor.is_contiguous():
-        raise ValueError(f"KV cache of layer {name} is not contiguous: cannot move whole blocks")
-    return int(tensor.shape[0])
+        raise LayoutError(f"KV cache of layer {name} (shape {shape}) is not contiguous: cannot move whole blocks")
+    strides = tuple(int(s) for s in tensor.stride())
+    try:
+        roles = (_roles_by_stride(strides) if heads is None
+                 else infer_roles(shape, heads.kv_heads, heads.head_size, heads.use_mla))
+        part = KVPart(base=0, shape=shape, strides=strides, element_size=tensor.element_size(), roles=roles)
+        whole_block_bytes(part)
+    except LayoutError as exc:
+        raise LayoutError(f"KV cache of layer {name}: {exc}") from exc
+    return part.num_blocks
 
 
 class KVBlockView:
@@ -55,6 +92,7 @@ class KVBlockView:
     @classmethod
     def of(
         cls, kv_caches: dict[str, torch.Tensor], *, layer_groups: dict[str, int], host_kv: bool | None,
+        heads: KVHeads | None,
     ) -> KVBlockView:
         """``host_kv``: whether to read the caches in place as host bytes (None: when they are host
         memory; False forces the device copy path)."""
@@ -66,7 +104,7 @@ class KVBlockView:
         offset = 0
         num_blocks = None
         for name, tensor in kv_caches.items():
-            n = block_count(name, tensor)
+            n = block_count(name, tensor, heads)
             if num_blocks is None:
                 num_blocks = n
             elif n != num_blocks:

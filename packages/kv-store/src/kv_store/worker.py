@@ -23,7 +23,7 @@ from kv_common.logging_utils import get_logger
 from kv_store import codec
 from kv_store import keys as keys_mod
 from kv_store.config import StoreConnectorConfig
-from kv_store.kv_view import KVBlockView
+from kv_store.kv_view import KVBlockView, KVHeads
 from kv_store.loader import StoreLoader
 from kv_store.metadata import StorePlan, StoreReport
 from kv_store.report import BlockReport
@@ -49,11 +49,15 @@ class StoreWorker:
         ledger: FailureLedger | None = None,
         writes_blocks: bool = True,
         host_kv: bool | None = None,
+        kv_heads: int | None = None,
+        head_size: int | None = None,
+        use_mla: bool = False,
         zero_copy: bool = True,
     ) -> None:
         """``host_kv``: whether the KV caches are host memory (None: decided from their device).
         False forces the device copy path (tests prove it on CPU with guard tensors).
-        ``zero_copy``: False keeps a parts backend
+        ``kv_heads`` (on this rank) and ``head_size``: to find the block dimension of the KV
+        tensors (``kv_view``); None: by their strides. ``zero_copy``: False keeps a parts backend
         on the staging path."""
         self.backend = backend
         self.namespace = namespace
@@ -63,6 +67,7 @@ class StoreWorker:
         self.stats = stats if stats is not None else StoreStats()
         self.ledger = ledger if ledger is not None else FailureLedger()
         self._host_kv = host_kv
+        self._heads = KVHeads(kv_heads, head_size, use_mla) if kv_heads and head_size else None
         self._zero_copy = zero_copy and supports_parts(backend)
         self.view: KVBlockView | None = None
         self._save_staging: Staging | None = None
@@ -78,7 +83,7 @@ class StoreWorker:
 
     # ---- layout ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        view = KVBlockView.of(kv_caches, layer_groups=self.layer_groups, host_kv=self._host_kv)
+        view = KVBlockView.of(kv_caches, layer_groups=self.layer_groups, host_kv=self._host_kv, heads=self._heads)
         save, load = (Staging(view.value_size, self.config.staging_bytes, self.backend, view.kv_device)
                       for _ in range(2))
         self.view, self._save_staging, self._load_staging = view, save, load
