@@ -339,7 +339,7 @@ def test_prefill_4xx_reaches_the_client_as_is_and_is_not_retried():
         assert r.json()["error"]["message"] == "scripted 400"
         assert sum(len(p.requests) for p in s.prefills) == 1
         assert s.decodes[0].requests == []
-        assert all(i.healthy for i in s.proxy.prefills.instances)  # a bad request says nothing about it
+        assert all(i.healthy for i in s.proxy.upstreams.prefills.instances)  # a bad request says nothing about it
 
 
 def test_prefill_5xx_is_retried_once_on_another_prefill():
@@ -348,7 +348,7 @@ def test_prefill_5xx_is_retried_once_on_another_prefill():
         r = _post(s.proxy_url, BODY)
         assert r.status_code == 200, r.text
         assert [len(p.requests) for p in s.prefills] == [1, 1]
-        assert [i.healthy for i in s.proxy.prefills.instances] == [False, True]  # the failed one is out
+        assert [i.healthy for i in s.proxy.upstreams.prefills.instances] == [False, True]  # the failed one is out
         assert 'kv_proxy_retries_total{role="prefill"} 1.0' in _get(s.proxy_url + "/metrics").text
 
 
@@ -356,7 +356,7 @@ def test_prefill_connect_error_is_retried_and_the_instance_taken_out():
     with running(n_prefill=1, dead_prefill=True, health_interval_s=60) as s:
         r = _post(s.proxy_url, BODY)
         assert r.status_code == 200, r.text
-        dead = s.proxy.prefills.instances[0]
+        dead = s.proxy.upstreams.prefills.instances[0]
         assert not dead.healthy and "connect" in dead.last_error
         assert len(s.prefills[0].requests) == 1
 
@@ -464,7 +464,7 @@ def test_client_leaving_mid_stream_aborts_the_decode():
             next(r.iter_lines())
         _wait(lambda: s.decodes[0].aborted == ["gone"], "the decode to see its request aborted")
         assert s.side_channel.freed == []  # the decode had the KV (it produced bytes)
-        _wait(lambda: s.proxy.decodes.instances[0].in_flight == 0, "the decode leg to be given back")
+        _wait(lambda: s.proxy.upstreams.decodes.instances[0].in_flight == 0, "the decode leg to be given back")
 
 
 def test_client_leaving_during_the_prefill_aborts_it_and_sends_no_decode():
@@ -518,7 +518,7 @@ def test_a_request_past_its_deadline_is_a_504():
 def test_failing_health_checks_take_an_instance_out_and_probes_bring_it_back():
     with running(n_prefill=2) as s:
         s.prefills[0].health_status = 503
-        first = s.proxy.prefills.instances[0]
+        first = s.proxy.upstreams.prefills.instances[0]
         _wait(lambda: not first.healthy, "the instance to be taken out")
         for _ in range(4):
             assert _post(s.proxy_url, BODY).status_code == 200
