@@ -16,13 +16,10 @@ before a put, value check (checksum) on put and verify on get, key building, pla
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from kv_store.testing import MooncakeMaster
 
 from benchmarks.report import ROOT, Claim, Section, against_target, median, plot_path, progress, table
 
@@ -51,40 +48,7 @@ def keep_freed_memory() -> str:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Master:
-    def __init__(self) -> None:
-        binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
-        if not Path(binary).exists():
-            raise FileNotFoundError("mooncake_master not installed (pip install kv-store[mooncake])")
-        self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [binary, f"-rpc_port={self.port}", "-rpc_address=127.0.0.1", "-metrics_host=127.0.0.1",
-             f"-metrics_port={_free_port()}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        self.close()
-        raise RuntimeError("mooncake_master did not start")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-
-def _backend(name: str, master: _Master | None, total_bytes: int):
+def _backend(name: str, master: MooncakeMaster | None, total_bytes: int):
     if name == "embedded":
         from kv_store.embedded import EmbeddedStoreBackend
 
@@ -145,9 +109,8 @@ def _measure(
     caches = {f"layer{i}": torch.randn(2 * n, KV_HEADS, block_size, 2 * HEAD_SIZE) for i in range(LAYERS)}
     worker = StoreWorker(backend=backend, namespace="bench", rank_tag="r0",
                          config=StoreConnectorConfig(staging_bytes=max(64 << 20, 2 * n * value_bytes),
-                                                     checksum=checksum))
-    if staging:
-        worker._parts = False  # the gather/scatter path (backends without the parts protocol)
+                                                     checksum=checksum),
+                         zero_copy=not staging)  # staging: the path of backends without the parts protocol
     worker.register_kv_caches(caches)
     vsize = worker.value_size
     raw = torch.empty(n * vsize, dtype=torch.uint8)
@@ -168,7 +131,7 @@ def _measure(
         for rep in range(reps + 1):  # rep 0 warms up (page faults, first registration)
             hashes = [f"{value_bytes}-{rep}-{i}".encode().ljust(32, b"\0") for i in range(n)]
             raw_keys = [f"raw/{value_bytes}/{rep}/{i}" for i in range(n)]
-            conn_keys = worker._keys(hashes)
+            conn_keys = worker.keys(hashes)
             order = ("conn", "raw") if rep % 2 else ("raw", "conn")
             for side in order:
                 if side == "raw":
@@ -227,7 +190,7 @@ def run(quick: bool) -> Section:
     try:
         import mooncake.store  # noqa: F401
 
-        master = _Master()
+        master = MooncakeMaster().__enter__()
         backends.append("mooncake")
     except Exception as exc:  # noqa: BLE001
         section.notes.append(f"mooncake not measured: {type(exc).__name__}: {exc}")
@@ -252,7 +215,7 @@ def run(quick: bool) -> Section:
         for b in instances.values():
             b.close()
         if master is not None:
-            master.close()
+            master.__exit__()
     section.tables.append(table(
         ["backend", "block value", "blocks", "put raw GB/s", "put connector GB/s", "put ratio",
          "put ratio, no crc", "put ratio, staging", "get raw GB/s", "get connector GB/s", "get ratio",

@@ -63,13 +63,11 @@ def exact_prompt() -> list[int]:
 
 def _master():
     pytest.importorskip("mooncake.store")
-    path = Path(__file__).resolve().parents[1] / "packages" / "kv-store" / "tests"
-    import importlib.util
+    from kv_store.testing import MooncakeMaster
 
-    spec = importlib.util.spec_from_file_location("kv_store_test_master", path / "conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.Master()
+    if MooncakeMaster.executable() is None:
+        pytest.skip("mooncake_master not installed (pip install kv-store[mooncake])")
+    return MooncakeMaster().__enter__()  # stopped in Fleet.close
 
 
 def _spill_files(spill: Path) -> list[Path]:
@@ -140,7 +138,7 @@ class Fleet:
         for t in threads:
             t.join()
         if self.master is not None:
-            self.master.kill()
+            self.master.__exit__()
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ def test_master_killed_gives_misses_not_crashes(mooncake_master):
 
 
 def test_setup_without_master_fails_fast():
-    from conftest import free_port
+    from kv_common.testing.ports import free_port
 
     with pytest.raises(BackendError, match="setup"):
         MooncakeBackend(mooncake_options(f"127.0.0.1:{free_port()}"), setup_retries=1, setup_timeout_s=30)

@@ -43,8 +43,17 @@ class _LoopbackProcess:
     def _env(self) -> dict[str, str] | None:
         return None
 
+    @classmethod
+    def executable(cls) -> str | None:
+        """The binary on PATH or next to the running interpreter; None where it is not installed."""
+        found = shutil.which(cls.binary)
+        if found:
+            return found
+        beside = Path(sys.executable).parent / cls.binary
+        return str(beside) if beside.exists() else None
+
     def __enter__(self: _P) -> _P:
-        exe = shutil.which(self.binary) or str(Path(sys.executable).parent / self.binary)
+        exe = self.executable() or self.binary  # not installed: Popen says so
         self._log = tempfile.NamedTemporaryFile(prefix=f"{self.binary}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             self.command(exe), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=self._env()
