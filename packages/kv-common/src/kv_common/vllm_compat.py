@@ -114,3 +114,15 @@ def parallel_ranks() -> dict[str, int]:
         except Exception:  # noqa: BLE001 - group not initialised
             pass
     return ranks
+
+
+def kv_heads_on_rank(vllm_config: Any, use_mla: bool) -> tuple[int, int] | None:
+    """(KV heads on this rank, head size) from vLLM's model config, to recognise the KV tensors'
+    layout (``kv_common.kv_layout.infer_roles``; MLA keeps one latent "head"); None when the
+    config cannot tell (partial configs in unit tests)."""
+    model = vllm_config.model_config
+    try:
+        heads = 1 if use_mla else int(model.get_num_kv_heads(vllm_config.parallel_config))
+        return heads, int(model.get_head_size())
+    except Exception:  # noqa: BLE001 - unknown or partial model config
+        return None

@@ -37,13 +37,10 @@ def _parallel(vllm_config: Any) -> dict[str, int]:
 
 
 def _kv_shape(vllm_config: Any, use_mla: bool) -> dict[str, int]:
-    """Heads on this rank and head size, to recognise the KV tensors' layout (see kv_common.kv_layout)."""
-    model = vllm_config.model_config
-    try:
-        heads = 1 if use_mla else int(model.get_num_kv_heads(vllm_config.parallel_config))
-        return {"heads_on_rank": heads, "head_size": int(model.get_head_size())}
-    except Exception:  # noqa: BLE001 - unknown model config: only the CPU layout is read (from its shape)
-        return {}
+    """Heads on this rank and head size, to recognise the KV tensors' layout; {} when unknown (only
+    the CPU layout is then read, from its shape)."""
+    shape = vllm_compat.kv_heads_on_rank(vllm_config, use_mla)
+    return {} if shape is None else {"heads_on_rank": shape[0], "head_size": shape[1]}
 
 
 class MooncakeConnectorV1(_base.KVConnectorBase_V1):  # type: ignore[name-defined]

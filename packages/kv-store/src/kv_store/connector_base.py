@@ -22,7 +22,13 @@ from kv_common.backend import Backend
 from kv_common.config import parse_extra_config
 from kv_common.failure_ledger import FailureLedger
 from kv_common.logging_utils import get_logger
-from kv_common.vllm_compat import base_module, forward_context_kv_caches, kv_byte_settings, parallel_ranks
+from kv_common.vllm_compat import (
+    base_module,
+    forward_context_kv_caches,
+    kv_byte_settings,
+    kv_heads_on_rank,
+    parallel_ranks,
+)
 
 from kv_store import codec
 from kv_store import keys as keys_mod
@@ -142,13 +148,9 @@ def hash_seed_warning(hash_algo: str, environ: Any = None) -> str | None:
 
 def _kv_heads(vllm_config: Any, use_mla: bool) -> dict[str, Any]:
     """KV heads on this rank and head size, for the worker to find the block dimension of the KV
-    tensors (``kv_common.kv_layout.infer_roles``); {} when the model config cannot tell."""
-    model = vllm_config.model_config
-    try:
-        heads = 1 if use_mla else int(model.get_num_kv_heads(vllm_config.parallel_config))
-        return {"kv_heads": heads, "head_size": int(model.get_head_size()), "use_mla": use_mla}
-    except Exception:  # noqa: BLE001 - partial configs in unit tests: the worker reads the strides
-        return {}
+    tensors; {} when the model config cannot tell (the worker then reads the strides)."""
+    shape = kv_heads_on_rank(vllm_config, use_mla)
+    return {} if shape is None else {"kv_heads": shape[0], "head_size": shape[1], "use_mla": use_mla}
 
 
 class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined]  # vLLM's, at run time
