@@ -27,7 +27,7 @@ import time
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 
 

@@ -35,7 +35,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
 from conftest import mooncake_leaks  # noqa: E402
-from kv_common.testing.engine import EngineError, EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing import EngineError, EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

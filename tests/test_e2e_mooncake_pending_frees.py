@@ -33,7 +33,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
 from conftest import mooncake_leaks  # noqa: E402
-from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
-from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 from test_e2e_mooncake import _assert_clean, _forward, _prefill, _prompts, _running, _wait_held  # noqa: E402
 

@@ -37,7 +37,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from conftest import mooncake_leaks  # noqa: E402
-from kv_common.testing.engine import EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.ports import free_port  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
-from kv_common.testing.engine import EngineError, EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing import EngineError, EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.e2e

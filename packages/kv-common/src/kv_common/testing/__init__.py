@@ -4,16 +4,8 @@ Light at import time: torch, transformers and vLLM load only when a helper needs
 itself only ever runs in child processes (see :mod:`kv_common.testing.engine`).
 """
 
-from kv_common.testing.engine import (
-    EngineError,
-    EngineProcess,
-    EngineResult,
-    assert_same_tokens,
-    baseline,
-    max_model_len_for,
-    run_engine,
-    run_engine_batches,
-)
+from kv_common.testing.engine import EngineError, EngineProcess, EngineResult, max_model_len_for
+from kv_common.testing.engine_runs import assert_same_tokens, baseline, run_engine, run_engine_batches
 from kv_common.testing.leaks import LeakBaseline, LeakError, assert_no_leaks
 from kv_common.testing.ports import free_port
 from kv_common.testing.probe import (
