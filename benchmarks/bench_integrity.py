@@ -95,7 +95,7 @@ def measure(backend, value_bytes: int, total_bytes: int, reps: int, **cfg) -> di
                     t2 = time.perf_counter()
                     assert not worker.ledger.take_block_ids_with_load_errors()
                     worker.get_finished({save.request_id})
-                    _remove(backend, worker._keys(hashes))
+                    _remove(backend, worker.keys(hashes))
                 if rep:
                     out[f"put_{side}"].append(nbytes / (t1 - t0) / 1e9)
                     out[f"get_{side}"].append(nbytes / (t2 - t1) / 1e9)

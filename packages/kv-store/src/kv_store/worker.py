@@ -120,8 +120,6 @@ class StoreWorker:
         """The store keys of ``hashes`` under this worker's namespace and rank tag."""
         return keys_mod.block_keys(self.namespace, self.rank_tag, hashes)
 
-    _keys = keys  # benchmarks/bench_integrity.py
-
     # ---- per step -------------------------------------------------------------------------
     def submit_saves(self, plan: StorePlan) -> None:
         self.saver.submit(plan)
