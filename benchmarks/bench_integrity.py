@@ -14,13 +14,14 @@ import os
 import statistics
 import time
 
+from kv_store.testing import MooncakeMaster
+
 from benchmarks.bench_store import (
     HEAD_SIZE,
     KV_HEADS,
     LAYERS,
     TOKEN_BYTES,
     _backend,
-    _Master,
     _remove,
     keep_freed_memory,
 )
@@ -127,7 +128,7 @@ def _rows(quick: bool, notes: list[str]) -> tuple[list[list], dict, str]:
     try:
         import mooncake.store  # noqa: F401
 
-        master = _Master()
+        master = MooncakeMaster().__enter__()
         names.append("mooncake")
     except Exception as exc:  # noqa: BLE001
         notes.append(f"mooncake not measured: {exc}")
@@ -148,7 +149,7 @@ def _rows(quick: bool, notes: list[str]) -> tuple[list[list], dict, str]:
                 backend.close()
     finally:
         if master is not None:
-            master.close()
+            master.__exit__()
     return rows, results, how
 
 
