@@ -53,7 +53,7 @@ def measure(backend, value_bytes: int, total_bytes: int, reps: int, **cfg) -> di
     if cfg.pop("_zlib_crc32", False):  # the check as it was: zlib's crc32 in the same trailer slot
         import zlib
 
-        saved, codec._digest = codec._digest, lambda parts, key: _zlib_parts(zlib, parts)
+        saved, codec._digest = codec._digest, lambda parts, key, tag: _zlib_parts(zlib, parts)
         try:
             return measure(backend, value_bytes, total_bytes, reps, **cfg)
         finally:
