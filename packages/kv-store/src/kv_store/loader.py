@@ -98,7 +98,7 @@ class StoreLoader:
         for transfer in plan_loads:
             n = len(transfer.block_hashes)
             keys = self._store.keys(transfer.block_hashes)
-            values = staging.values(staging.slots)[row : row + n]
+            values = staging.values(n, row)
             good, why, seconds = self._fetch_checked(
                 transfer, keys, values, self._store.backend.batch_get_into,
                 lambda value, nbytes: self._store.seal.check(value, view.payload_size, nbytes),

@@ -52,9 +52,10 @@ class Staging:
         self._backend = backend
         backend.register_buffer(self.view)
 
-    def values(self, n: int) -> list[memoryview]:
+    def values(self, n: int, start: int = 0) -> list[memoryview]:
+        """Rows ``start .. start+n-1`` as value-sized views."""
         vs = self.value_size
-        return [self.view[i * vs : (i + 1) * vs] for i in range(n)]
+        return [self.view[i * vs : (i + 1) * vs] for i in range(start, start + n)]
 
     def close(self) -> None:
         _unregister(self._backend, self.view)
