@@ -11,7 +11,8 @@ from kv_common.vllm_compat import kv_byte_settings
 
 def test_settings_of_a_config():
     assert kv_byte_settings(fake_vllm_config()) == KVByteSettings(
-        model="org/m", model_dtype="bfloat16", cache_dtype="bfloat16", block_size=16, cp_kv_cache_interleave_size=16)
+        model="org/m", model_weights="unverified", model_dtype="bfloat16", cache_dtype="bfloat16", block_size=16,
+        cp_kv_cache_interleave_size=16)
     s = kv_byte_settings(fake_vllm_config(revision="abc", quantization="fp8", cache_dtype="fp8_e5m2", tp=2, dcp=2,
                                           interleave=1, pp=2, use_mla=True))
     assert (s.revision, s.quantization, s.cache_dtype, s.model_dtype) == ("abc", "fp8", "fp8_e5m2", "bfloat16")

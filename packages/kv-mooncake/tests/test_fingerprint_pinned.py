@@ -7,7 +7,9 @@ import pytest
 from kv_common.testing.fake_vllm_config import PINNED_CONFIGS, fake_vllm_config
 from kv_mooncake.fingerprint import config_fingerprint
 
-_ONE_RANK = {"tp_size": 1, "pcp_size": 1, "dcp_size": 1, "pipeline_parallel_size": 1, "use_mla": False}
+# model_weights: none of these paths is on disk or in the hub cache (kv_common.model_identity)
+_ONE_RANK = {"tp_size": 1, "pcp_size": 1, "dcp_size": 1, "pipeline_parallel_size": 1, "use_mla": False,
+             "model_weights": "unverified"}
 PINNED = {
     "auto_over_bf16": {**_ONE_RANK, "model": "org/m", "revision": "", "quantization": "", "model_dtype": "bfloat16",
                        "cache_dtype": "bfloat16", "block_size": 16, "cp_kv_cache_interleave_size": 16},

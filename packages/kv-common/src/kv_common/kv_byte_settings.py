@@ -15,6 +15,9 @@ import msgspec
 class KVByteSettings(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     revision: str = ""
+    # Which weights the model path holds (``kv_common.model_identity``): a model re-written in place
+    # keeps its path, revision and shapes, but its KV bytes are another model's.
+    model_weights: str = ""
     quantization: str = ""
     model_dtype: str = ""  # "bfloat16", not "torch.bfloat16"
     # "auto" stores KV in the model's dtype; fp8 variants keep their own name (fp8_e4m3 and

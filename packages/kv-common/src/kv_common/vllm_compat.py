@@ -10,6 +10,7 @@ from typing import Any
 
 from kv_common import kv_byte_settings as kbs
 from kv_common.kv_byte_settings import KVByteSettings
+from kv_common.model_identity import weights_identity
 
 
 class VllmNotInstalledError(ImportError):
@@ -75,6 +76,7 @@ def kv_byte_settings(vllm_config: Any) -> KVByteSettings:
     return KVByteSettings(
         model=kbs.text(getattr(model, "model", None)),
         revision=kbs.text(getattr(model, "revision", None)),
+        model_weights=model_weights_identity(vllm_config),
         quantization=kbs.text(getattr(model, "quantization", None)),
         model_dtype=model_dtype,
         cache_dtype=kbs.cache_dtype_name(getattr(cache, "cache_dtype", None), model_dtype),
@@ -87,6 +89,19 @@ def kv_byte_settings(vllm_config: Any) -> KVByteSettings:
         dcp_size=dcp_size,
         use_mla=bool(getattr(model, "use_mla", False)),
     )
+
+
+def model_weights_identity(vllm_config: Any) -> str:
+    """Which weights this instance serves (``kv_common.model_identity``): a digest of the model
+    directory's config and weight-file headers, or the hub commit vLLM's cache resolved. Weights
+    pulled from object storage (``model_weights`` set: ``model`` is then a local copy of the
+    config files only) are not identified (``UNVERIFIED``)."""
+    model = vllm_config.model_config
+    if getattr(model, "model_weights", ""):
+        return weights_identity("")
+    load = getattr(vllm_config, "load_config", None)
+    return weights_identity(kbs.text(getattr(model, "model", None)), revision=getattr(model, "revision", None),
+                            download_dir=getattr(load, "download_dir", None))
 
 
 def tp_rank() -> int:

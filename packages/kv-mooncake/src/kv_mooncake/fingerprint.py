@@ -16,7 +16,9 @@ from kv_common.vllm_compat import kv_byte_settings
 
 def config_fingerprint(vllm_config: Any) -> dict[str, Any]:
     """The settings that change KV bytes (``kv_common.kv_byte_settings``), by the names the
-    handshake's ``Compatibility`` gives them, with the parallel sizes ``unsupported_settings`` reads."""
+    handshake's ``Compatibility`` gives them, with the parallel sizes ``unsupported_settings`` reads.
+    ``model_weights`` names the checkpoint the model path holds: a prefill and a decode serving the
+    same path with different weights refuse each other's pulls."""
     return msgspec.structs.asdict(kv_byte_settings(vllm_config))
 
 

@@ -36,6 +36,9 @@ class Compatibility(msgspec.Struct, frozen=True, kw_only=True):
     use_mla: bool
     layout: str = "cpu:[blocks,heads,block_size,2*head_size]"  # KV layout and stride order
     revision: str = ""
+    # Digest of the weights (kv_common.model_identity): the same path may hold another checkpoint.
+    # "" from a peer of an earlier release: it differs from any digest, so such a pull is refused.
+    model_weights: str = ""
     quantization: str = ""
     model_dtype: str = ""
     cache_dtype: str = ""  # by name: fp8_e4m3 and fp8_e5m2 are both uint8 tensors

@@ -106,6 +106,7 @@ class MooncakeWorker:
             use_mla=self.use_mla,
             layout=cache.layout,
             revision=str(base.get("revision", "")),
+            model_weights=str(base.get("model_weights", "")),
             quantization=str(base.get("quantization", "")),
             model_dtype=str(base.get("model_dtype", "")),
             cache_dtype=str(base.get("cache_dtype", "")),

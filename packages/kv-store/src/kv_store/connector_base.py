@@ -73,6 +73,9 @@ def store_fingerprint(vllm_config: Any) -> dict[str, Any]:
         "hash_algo": str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "")),
         "revision": settings.revision,
         "quantization": settings.quantization,
+        # New weights at the same path: a new namespace (the old model's keys are never read) and,
+        # through the manifest settings, a new layout tag (its values never verify).
+        "model_weights": settings.model_weights,
     }
     # Layer set: the whole model's layers and how vLLM splits them over the PP stages (an uneven
     # VLLM_PP_LAYER_PARTITION gives a stage other layers under the same stage tag).

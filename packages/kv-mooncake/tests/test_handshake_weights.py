@@ -1,0 +1,64 @@
+"""A prefill and a decode serving different weights from the same path refuse the pull, naming the
+model weights and both short digests (the path, revision and shapes all agree)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+for _module in ("transformers", "tokenizers", "safetensors"):
+    pytest.importorskip(_module)
+
+from conftest import FakeTransferEngine  # noqa: E402
+from kv_common.testing.fake_vllm_config import fake_vllm_config  # noqa: E402
+from kv_common.testing.model_weights import copy_model, rewrite_weights_in_place  # noqa: E402
+from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
+from kv_mooncake import protocol as P  # noqa: E402
+from kv_mooncake.config import MooncakeConfig  # noqa: E402
+from kv_mooncake.fingerprint import config_fingerprint  # noqa: E402
+from kv_mooncake.pull_plan import PrefillLayout  # noqa: E402
+from kv_mooncake.worker import MooncakeWorker  # noqa: E402
+
+HEADS, HEAD = 4, 32
+
+
+@pytest.fixture
+def model(tmp_path):
+    return copy_model(cached_tiny_model(), tmp_path / "model")
+
+
+def _worker(fingerprint) -> MooncakeWorker:
+    # as MooncakeConnectorV1 builds it: the config fingerprint plus this rank's KV shape
+    w = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=False, is_consumer=False, side_channel_port=1,
+                       total_kv_heads=HEADS, prefill_layout=PrefillLayout(tp_size=1, total_kv_heads=HEADS),
+                       compatibility_base={**fingerprint, "heads_on_rank": HEADS, "head_size": HEAD},
+                       engine_factory=FakeTransferEngine)
+    w.register_kv_caches({f"l{i}": torch.zeros(4, HEADS, 16, 2 * HEAD) for i in range(2)})
+    return w
+
+
+def _handshake(prefill: MooncakeWorker, decode: MooncakeWorker):
+    return prefill.handle(P.Handshake(engine_id="P", compatibility=decode.compatibility, reader_id="d"))
+
+
+def test_config_fingerprint_names_the_weights(model):
+    before = config_fingerprint(fake_vllm_config(model=str(model)))
+    rewrite_weights_in_place(model, seed=1)
+    after = config_fingerprint(fake_vllm_config(model=str(model)))
+    assert before["model_weights"] != after["model_weights"]
+    assert {k: v for k, v in before.items() if k != "model_weights"} == \
+        {k: v for k, v in after.items() if k != "model_weights"}
+
+
+def test_prefill_and_decode_with_other_weights_at_the_same_path_refuse_the_pull(model):
+    prefill = _worker(config_fingerprint(fake_vllm_config(model=str(model))))
+    same = _worker(config_fingerprint(fake_vllm_config(model=str(model))))
+    assert isinstance(_handshake(prefill, same), P.HandshakeReply)
+
+    rewrite_weights_in_place(model, seed=1)  # the decode starts after the model was replaced
+    decode = _worker(config_fingerprint(fake_vllm_config(model=str(model))))
+    reply = _handshake(prefill, decode)
+    assert isinstance(reply, P.Refused), f"not refused: {reply}"
+    mine, theirs = decode.compatibility.model_weights, prefill.compatibility.model_weights
+    assert mine.startswith("sha256:") and len(mine) == len("sha256:") + 16 and mine != theirs
+    assert f"model_weights: decode {mine!r}, prefill {theirs!r}" in reply.reason
