@@ -57,6 +57,10 @@ class MooncakeConfig(ConnectorConfig, frozen=True):
     max_inflight_transfers: int = 512  # per peer; the TCP transport rejects more than 1024
     num_pull_threads: int = 4
     max_message_bytes: int = 1 << 20
+    # The environment variable holding the side channel's shared secret (never the secret itself:
+    # configs get logged). None: KV_SECRET when set, else no secret (any peer is answered). Named
+    # here, the variable must be set. See kv_mooncake.side_channel_auth and the README's "Safety".
+    side_channel_secret_env: str | None = None
     # Decode ranks also listen on their side-channel port (base + rank index) and answer LeakQuery
     # (tests, operators). Off by default: a decode needs no open port otherwise.
     decode_side_channel: bool = False
