@@ -320,3 +320,34 @@ def test_a_secret_on_one_side_only_fails_that_pull_alone_with_a_clear_message(se
     finally:
         decode.worker.close()
         prefill.worker.close()
+
+
+# ---- python -m kv_common doctor ------------------------------------------------------------------
+def _doctor(host: str, **extra):
+    import json
+
+    from kv_common import doctor
+
+    ktc = {"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_producer", "kv_port": free_port(),
+           "kv_connector_extra_config": {"side_channel_host": host, **extra}}
+    return doctor.run(json.dumps(ktc))
+
+
+def test_doctor_warns_of_a_side_channel_beyond_loopback_without_a_secret(monkeypatch):
+    from kv_common.doctor import WARN
+
+    monkeypatch.delenv("KV_SECRET", raising=False)
+    report = _doctor("0.0.0.0")
+    warned = [c.detail for c in report.checks if c.status == WARN]
+    assert len(warned) == 1 and "side channel of worker rank 0" in warned[0] and "beyond loopback" in warned[0]
+    assert report.ok
+    assert not [c for c in _doctor("127.0.0.1").checks if c.status == WARN]
+    monkeypatch.setenv("KV_SECRET", SECRET)
+    report = _doctor("0.0.0.0")
+    assert not [c for c in report.checks if c.status == WARN]
+    assert any("sealed with the secret from KV_SECRET" in c.detail for c in report.checks)
+    assert not any(SECRET in c.detail for c in report.checks)
+    # A named variable that is not set is a problem: the engine would refuse to start.
+    report = _doctor("0.0.0.0", side_channel_secret_env="KV_TEST_UNSET_SECRET")
+    assert not report.ok
+    assert any("KV_TEST_UNSET_SECRET, which is not set" in c.detail for c in report.checks)

@@ -116,6 +116,9 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
             plan.bind.append((config.side_channel_host, base + rank, f"side channel of worker rank {rank}"))
     else:
         plan.notes.append("decode: listens on no side-channel port (decode_side_channel is false)")
+    from kv_mooncake.side_channel_auth import secret_preflight
+
+    secret_preflight(plan, config.side_channel_secret_env, [b for b in plan.bind if "side channel" in b[2]])
     if producer and not (config.prefill and config.prefill.tp_size):
         plan.notes.append("ports checked for one worker rank; set prefill.tp_size to check one per TP rank")
     return plan

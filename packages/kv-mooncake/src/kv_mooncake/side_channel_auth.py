@@ -25,6 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 
@@ -176,6 +177,23 @@ def auth_from_env(secret_env: str | None, environ: Mapping[str, str] = os.enviro
         raise ValueError(f"{name} holds {len(value)} characters; a side-channel secret needs at least "
                          f"{MIN_SECRET_CHARS}")
     return SideChannelAuth(value.encode(), source=name)
+
+
+def secret_preflight(plan: Any, secret_env: str | None, listeners: list[tuple[str, int, str]]) -> None:
+    """``python -m kv_common doctor``: the secret as this environment holds it (a
+    ``kv_common.doctor.Preflight`` gets the findings)."""
+    try:
+        auth = auth_from_env(secret_env)
+    except ValueError as exc:
+        plan.problems.append(str(exc))
+        return
+    if auth is None:
+        plan.unauthenticated_binds.extend(listeners)
+    else:
+        plan.notes.append(f"side channel: every message sealed with the secret from {auth.source} "
+                          "(as set in this environment)")
+    plan.notes.append("the TransferEngine port takes reads and writes of registered KV memory from anyone who "
+                      "knows the addresses; the side-channel secret does not protect it: keep it on a private network")
 
 
 def is_loopback_peer(address: str | None) -> bool:
