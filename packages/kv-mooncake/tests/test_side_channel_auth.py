@@ -8,6 +8,7 @@ move real bytes between two real TransferEngines.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import msgspec
@@ -253,6 +254,46 @@ def test_warning_limiter_keeps_one_line_per_peer_per_period():
     for i in range(10_000):  # many peers: memory stays bounded
         limiter.allow(f"peer-{i}")
     assert limiter.tracked_peers() <= 1024
+
+
+def test_forgotten_nonces_never_let_a_replay_through():
+    from kv_mooncake.side_channel_auth import ReplayGuard
+
+    guard = ReplayGuard(window_s=30.0, max_nonces=3)
+    assert all(guard.first_time(bytes([i]) * 16, stamped=float(i), now=5.0) for i in range(1, 5))
+    assert len(guard) == 3  # bounded: the oldest (stamped 1) was forgotten ...
+    assert not guard.first_time(bytes([1]) * 16, stamped=1.0, now=5.0)  # ... and its replay still refused
+    assert not guard.first_time(b"n" * 16, stamped=1.0, now=5.0)  # as is anything no newer
+    assert guard.first_time(b"n" * 16, stamped=4.5, now=5.0)
+    assert not guard.first_time(bytes([4]) * 16, stamped=4.0, now=5.0)  # remembered: a replay
+    assert guard.first_time(b"m" * 16, stamped=100.0, now=100.0) and len(guard) == 1  # the stale went
+
+
+def test_a_reply_to_another_request_or_a_plain_reply_is_not_read():
+    """Someone on the path answers for the prefill: an old sealed reply (another request's), or a
+    plain one. The client reads neither as the answer."""
+    auth = _auth(SECRET)
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = side_channel.SideChannelClient(P.REPLY_TYPES, auth=auth)
+    ack = msgspec.msgpack.encode(P.Ack())
+    try:
+        for forged, expected in ((auth.seal_reply(ack, b"x" * 16), "failed authentication"),
+                                 (ack, "unauthenticated reply")):
+            def answer(forged=forged) -> None:
+                frames = router.recv_multipart()
+                router.send_multipart(frames[:-1] + [forged])
+
+            t = threading.Thread(target=answer)
+            t.start()
+            with pytest.raises(side_channel.SideChannelError, match=expected):
+                client.request(f"127.0.0.1:{port}", P.FreeNow(request_id="r"), 3.0)
+            t.join(5)
+    finally:
+        client.close()
+        router.close()
 
 
 # ---- real pulls between two workers (TransferEngine over TCP) ------------------------------------
