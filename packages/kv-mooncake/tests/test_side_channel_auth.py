@@ -296,6 +296,22 @@ def test_a_reply_to_another_request_or_a_plain_reply_is_not_read():
         router.close()
 
 
+def test_the_proxy_frees_a_hold_only_with_the_secret(prefill, monkeypatch):
+    """kv-mooncake-proxy's FreeNow (client gone between the legs) is sealed with KV_SECRET from its
+    environment; without it the prefill refuses, and the hold waits for its expiry."""
+    from kv_mooncake.proxy.release import release_prefill_blocks
+
+    params = {"do_remote_prefill": True, "remote_engine_id": "P-secret-engine", "remote_host": "127.0.0.1",
+              "remote_port": prefill.side_channel_port, "remote_block_ids": [0, 1], "remote_request_id": "r",
+              "remote_tp_size": 1}
+    monkeypatch.delenv("KV_SECRET")
+    assert release_prefill_blocks(params, timeout_s=2.0) == 0
+    assert prefill.leak_report()["held_requests"] == 1
+    monkeypatch.setenv("KV_SECRET", SECRET)
+    assert release_prefill_blocks(params, timeout_s=2.0) == 1
+    assert prefill.get_finished()[0] == {"r"}
+
+
 # ---- real pulls between two workers (TransferEngine over TCP) ------------------------------------
 def _instances(prefill_cfg: MooncakeConfig, decode_cfg: MooncakeConfig):
     pytest.importorskip("numpy")
