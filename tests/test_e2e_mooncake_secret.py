@@ -14,10 +14,8 @@ request P holds for D.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import threading
 import time
 
 import pytest
@@ -27,6 +25,7 @@ pytest.importorskip("mooncake.engine")
 
 from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
+from test_e2e_mooncake import _running  # noqa: E402  (parallel start and stop of the engines)
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -83,24 +82,6 @@ def _wait(port: int, predicate, timeout_s: float = 30.0) -> dict:
     while not predicate(report := _leaks(port)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return report
-
-
-@contextlib.contextmanager
-def _running(engines: list[EngineProcess]):
-    t0 = time.perf_counter()
-    for e in engines:
-        e.start(wait=False)
-    try:
-        for e in engines:
-            e.wait_ready()
-        print(f"\n[engines] {len(engines)} engines ready in {time.perf_counter() - t0:.1f}s")
-        yield
-    finally:
-        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 40}) for e in engines]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(60)
 
 
 @pytest.fixture(scope="module")
