@@ -79,3 +79,22 @@ def test_unknown_connector_is_information_not_a_problem():
     assert any("not a kv-* connector" in c.detail for c in report.checks)
     bad_role = doctor.run('{"kv_connector": "NixlConnector", "kv_role": "prefill"}')
     assert not bad_role.ok
+
+
+def test_a_listener_without_a_secret_beyond_loopback_is_a_warning():
+    """A side channel that answers any peer (no shared secret) is fine on loopback only: beyond it,
+    whoever reaches the port gets the KV addresses. A warning, not a problem: private networks exist."""
+    plan = doctor.Preflight(unauthenticated_binds=[
+        ("0.0.0.0", free_port(), "side channel of worker rank 0"),
+        ("::", free_port(), "side channel of worker rank 1"),
+        ("127.0.0.1", free_port(), "side channel of worker rank 2"),
+        ("localhost", free_port(), "side channel of worker rank 3"),
+        ("::1", free_port(), "side channel of worker rank 4"),
+    ])
+    report = doctor.Report()
+    doctor.run_preflight(report, "config X", plan, timeout_s=1.0)
+    warned = [c.detail for c in report.checks if c.status == doctor.WARN]
+    assert [w.split(":", 1)[0] for w in warned] == ["side channel of worker rank 0", "side channel of worker rank 1"]
+    assert all("beyond loopback" in w and "secret" in w for w in warned)
+    assert report.ok  # a warning does not fail the doctor
+    assert "WARNING" in report.to_text()

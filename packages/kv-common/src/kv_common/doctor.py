@@ -9,7 +9,8 @@ check finds a problem:
   ``config_parser``), so a bad key fails here with the same message as in vLLM;
 - from the parsed config (``ConnectorConfig.preflight``): ports this instance will listen on are
   free on the configured host, peers and the Mooncake master accept a TCP connection within a short
-  deadline, store directories are writable, the engines the config needs import;
+  deadline, store directories are writable, the engines the config needs import; a listener that
+  answers any peer (no shared secret) and binds beyond loopback is a warning;
 - engines installed: Mooncake's TransferEngine and Store, UCM (information unless a config needs them).
 
 Import-light like the registry: no vLLM unless asked to show name owners, no connector package
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import importlib
+import ipaddress
 import json
 import logging
 import os
@@ -33,6 +35,7 @@ from typing import Any
 from kv_common.registry import ConnectorSpec, discover_connectors, name_owners
 
 OK, PROBLEM, INFO = "ok", "problem", "info"
+WARN = "warning"  # worth fixing, but the instance starts and works: does not fail the doctor
 DEFAULT_TIMEOUT_S = 2.0
 # vLLM's KVTransferConfig defaults (vllm/config/kv_transfer.py).
 VLLM_DEFAULT_KV_PORT = 14579
@@ -58,6 +61,9 @@ class Preflight:
     modules: list[tuple[str, str, str]] = field(default_factory=list)  # (module, attribute, what)
     notes: list[str] = field(default_factory=list)  # informational lines
     problems: list[str] = field(default_factory=list)  # found while building it (e.g. no master address)
+    # (host, port, what) of listeners that will answer any peer (no shared secret): a warning
+    # unless bound to loopback only.
+    unauthenticated_binds: list[tuple[str, int, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,23 @@ def reachable(host: str, port: int, timeout_s: float) -> str | None:
         return f"no answer within {timeout_s:g} s"
     except OSError as exc:
         return exc.strerror or str(exc)
+
+
+def beyond_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` can be reached from other machines (an unresolvable
+    name counts as reachable: it cannot be shown not to be)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return True
+    for info in infos:
+        try:
+            ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        except ValueError:
+            return True
+        if not ip.is_loopback:
+            return True
+    return not infos
 
 
 def dir_writable(path: str) -> str | None:
@@ -279,6 +302,10 @@ def run_preflight(report: Report, section: str, plan: Preflight, timeout_s: floa
         why = reachable(host, port, timeout_s)
         report.add(section, OK if why is None else PROBLEM,
                    f"{what}: {host}:{port} " + ("accepts TCP" if why is None else f"unreachable: {why}"))
+    for host, port, what in plan.unauthenticated_binds:
+        if beyond_loopback(host):
+            report.add(section, WARN, f"{what}: {host}:{port} listens beyond loopback and answers any peer (no "
+                                      "shared secret): keep it on a private network, or set a secret")
     for path, what in plan.writable_dirs:
         why = dir_writable(path)
         report.add(section, OK if why is None else PROBLEM,

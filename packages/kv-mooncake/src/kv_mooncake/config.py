@@ -57,6 +57,10 @@ class MooncakeConfig(ConnectorConfig, frozen=True):
     max_inflight_transfers: int = 512  # per peer; the TCP transport rejects more than 1024
     num_pull_threads: int = 4
     max_message_bytes: int = 1 << 20
+    # The environment variable holding the side channel's shared secret (never the secret itself:
+    # configs get logged). None: KV_SECRET when set, else no secret (any peer is answered). Named
+    # here, the variable must be set. See kv_mooncake.side_channel_auth and the README's "Safety".
+    side_channel_secret_env: str | None = None
     # Decode ranks also listen on their side-channel port (base + rank index) and answer LeakQuery
     # (tests, operators). Off by default: a decode needs no open port otherwise.
     decode_side_channel: bool = False
@@ -112,6 +116,9 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
             plan.bind.append((config.side_channel_host, base + rank, f"side channel of worker rank {rank}"))
     else:
         plan.notes.append("decode: listens on no side-channel port (decode_side_channel is false)")
+    from kv_mooncake.side_channel_auth import secret_preflight
+
+    secret_preflight(plan, config.side_channel_secret_env, [b for b in plan.bind if "side channel" in b[2]])
     if producer and not (config.prefill and config.prefill.tp_size):
         plan.notes.append("ports checked for one worker rank; set prefill.tp_size to check one per TP rank")
     return plan

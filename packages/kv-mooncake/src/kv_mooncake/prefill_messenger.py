@@ -24,6 +24,7 @@ from kv_mooncake.metadata import RemoteSource
 from kv_mooncake.peer_health import PeerBreaker
 from kv_mooncake.pull_errors import PeerDown, PullFailed
 from kv_mooncake.pull_plan import DecodeRank, PrefillLayout, PrefillRank, RankPull
+from kv_mooncake.side_channel_auth import auth_from_env
 
 logger = get_logger(__name__)
 
@@ -50,7 +51,8 @@ class PrefillMessenger:
         self._heartbeats_queued: set[str] = set()
         self._breaker = PeerBreaker()  # prefill ranks presumed down fail fast
         # Kept-open connections to the prefill ranks: a new one per message cost ~5 ms per pull.
-        self._client = side_channel.SideChannelClient(P.REPLY_TYPES, config.max_message_bytes)
+        self._client = side_channel.SideChannelClient(
+            P.REPLY_TYPES, config.max_message_bytes, auth=auth_from_env(config.side_channel_secret_env))
 
     def start_threads(self) -> None:
         self._notifier = ThreadPoolExecutor(2, thread_name_prefix="mooncake-done")

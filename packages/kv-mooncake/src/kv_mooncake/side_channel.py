@@ -3,7 +3,13 @@ open per peer by :class:`SideChannelClient`).
 
 Messages are msgspec Structs encoded with msgpack; a peer can only ever make us build the Struct
 types we list, never arbitrary objects (no pickle). Every socket has a size limit and a deadline
-so a bad or silent peer costs one warning, not a hung engine.
+so a bad or silent peer costs at most one warning line per period (rate limited per peer), not a
+hung engine or a flooded log.
+
+With a ``SideChannelAuth`` (a shared secret, ``kv_mooncake.side_channel_auth``) both ends seal every
+message: the server answers only authentic, fresh, first-seen requests, and tells anyone else one
+fixed line. ``trusted_only`` request types (leak queries) are answered only to authenticated peers,
+or, without a secret, to loopback peers.
 """
 
 from __future__ import annotations
@@ -19,10 +25,23 @@ import msgspec
 import zmq
 from kv_common.logging_utils import get_logger
 
+from kv_mooncake.side_channel_auth import (
+    NO_SECRET_HERE,
+    NOT_AUTHENTICATED,
+    AuthError,
+    ReplayGuard,
+    SideChannelAuth,
+    WarningLimiter,
+    decode_sealed,
+    is_loopback_peer,
+)
+
 logger = get_logger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 _POLL_MS = 50  # how often the server thread looks at its stop flag
+WARNING_PERIOD_S = 60.0  # one bad-message line per peer per period
+_SHOWN_ERROR_CHARS = 300  # of an unauthenticated peer's error text, in our exceptions
 
 
 class SideChannelError(RuntimeError):
@@ -110,8 +129,15 @@ class SideChannelServer:
         request_types: tuple[type, ...],
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         name: str = "side-channel",
+        *,
+        auth: SideChannelAuth | None = None,
+        trusted_only: tuple[type, ...] = (),
     ):
         self.host, self.name = host, name
+        self._auth = auth
+        self._replays = ReplayGuard(auth.window_s) if auth is not None else None
+        self._trusted_only = trusted_only
+        self._warnings = WarningLimiter(WARNING_PERIOD_S)
         self._requested_port = port
         self._handler = handler
         self._decoder = _decoder(request_types, with_error=False)
@@ -182,10 +208,10 @@ class SideChannelServer:
                 if not poller.poll(_POLL_MS):
                     continue
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    received = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     continue
-                reply = self._answer(frames)
+                reply = self._answer([f.bytes for f in received], _peer_address(received[-1]))
                 if reply is not None:
                     try:
                         sock.send_multipart(reply, zmq.NOBLOCK)
@@ -196,35 +222,86 @@ class SideChannelServer:
         finally:
             _close_socket(sock)
 
-    def _answer(self, frames: list[bytes]) -> list[bytes] | None:
+    def _warn(self, peer: str, message: str, *args: object) -> None:
+        """A bad message's warning, at most one line per peer per period (a flood costs a line)."""
+        suppressed = self._warnings.allow(peer)
+        if suppressed is not None:
+            logger.warning("%s: peer %s: " + message + "%s", self.name, peer, *args,
+                           f" ({suppressed} more from this peer suppressed)" if suppressed else "")
+
+    def _answer(self, frames: list[bytes], peer: str = "?") -> list[bytes] | None:
         """Route envelope + encoded reply for one request, or None to drop it."""
         # ROUTER gives [peer, payload] from a DEALER and [peer, b"", payload] from a REQ.
         if len(frames) < 2 or len(frames) > 3 or (len(frames) == 3 and frames[1] != b""):
-            logger.warning("%s: dropped a message with %d frames", self.name, len(frames))
+            self._warn(peer, "dropped a message with %d frames", len(frames))
             return None
         envelope, payload = frames[:-1], frames[-1]
         if len(payload) > self._max_bytes:
-            logger.warning(
-                "%s: dropped a %d-byte message (limit %d)", self.name, len(payload), self._max_bytes
-            )
+            self._warn(peer, "dropped a %d-byte message (limit %d)", len(payload), self._max_bytes)
             return envelope + [self._encoder.encode(ErrorReply("message too large"))]
+        nonce = None
+        if self._auth is not None:
+            assert self._replays is not None
+            try:
+                sealed = decode_sealed(payload)
+                payload, nonce = self._auth.open_request(sealed, self._replays), sealed.nonce
+            except AuthError as exc:  # the peer learns nothing of why: our log does
+                self._warn(peer, "refused a message (%s; this side channel needs the secret from %s)",
+                           exc, self._auth.source)
+                return envelope + [self._encoder.encode(ErrorReply(NOT_AUTHENTICATED))]
+        return envelope + [self._sealed(self._reply(payload, peer, nonce), nonce)]
+
+    def _reply(self, payload: bytes, peer: str, nonce: bytes | None) -> bytes:
+        """The encoded reply to one (authentic, when a secret is set) request."""
         try:
             request = self._decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("%s: dropped an undecodable message: %s", self.name, exc)
-            return envelope + [self._encoder.encode(ErrorReply(f"undecodable request: {exc}"))]
+            if self._auth is None and _is_sealed(payload):
+                self._warn(peer, "got a sealed message but has no side-channel secret (set the same one on "
+                                 "both sides, or on neither)")
+                return self._encoder.encode(ErrorReply(NO_SECRET_HERE))
+            self._warn(peer, "dropped an undecodable message: %s", exc)
+            return self._encoder.encode(ErrorReply(f"undecodable request: {exc}"))
+        if isinstance(request, self._trusted_only) and nonce is None and not is_loopback_peer(peer):
+            self._warn(peer, "refused a %s (answered only to loopback or authenticated peers)", type(request).__name__)
+            return self._encoder.encode(ErrorReply(
+                f"{type(request).__name__} is answered only to loopback peers or peers with the side-channel secret"))
         try:
             result: Any = self._handler(request)
         except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the server
-            logger.exception("%s: handler failed on %s", self.name, type(request).__name__)
+            if self._warnings.allow(f"handler:{peer}") is not None:
+                logger.exception("%s: handler failed on %s", self.name, type(request).__name__)
             result = ErrorReply(f"{type(exc).__name__}: {exc}")
         if result is None:
             result = ErrorReply("no reply")
-        encoded = self._encoder.encode(result)
-        if len(encoded) > self._max_bytes:
-            logger.warning("%s: reply of %d bytes exceeds the limit", self.name, len(encoded))
-            encoded = self._encoder.encode(ErrorReply("reply too large"))
-        return envelope + [encoded]
+        return self._encoder.encode(result)
+
+    def _sealed(self, encoded: bytes, nonce: bytes | None) -> bytes:
+        """The reply as it goes out: sealed to the request when it was sealed, within the size limit."""
+        def seal(body: bytes) -> bytes:
+            return body if nonce is None or self._auth is None else self._auth.seal_reply(body, nonce)
+
+        out = seal(encoded)
+        if len(out) > self._max_bytes:
+            logger.warning("%s: reply of %d bytes exceeds the limit", self.name, len(out))
+            out = seal(self._encoder.encode(ErrorReply("reply too large")))
+        return out
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The sending peer's IP address as ZMQ saw the connection ('?' if it cannot tell)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError):
+        return "?"
+
+
+def _is_sealed(payload: bytes) -> bool:
+    try:
+        decode_sealed(payload)
+    except AuthError:
+        return False
+    return True
 
 
 def _encode_request(message: msgspec.Struct, max_message_bytes: int) -> bytes:
@@ -273,11 +350,12 @@ def request(
     reply_types: tuple[type, ...],
     timeout_s: float,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    auth: SideChannelAuth | None = None,
 ) -> msgspec.Struct:
     """Send one request to ``address`` ('host:port') and return its reply, within ``timeout_s``.
     Opens and closes its own connection: for repeated traffic to the same peers use
     :class:`SideChannelClient`."""
-    one_shot = SideChannelClient(reply_types, max_message_bytes, max_idle_per_peer=0)
+    one_shot = SideChannelClient(reply_types, max_message_bytes, max_idle_per_peer=0, auth=auth)
     return one_shot.request(address, message, timeout_s)
 
 
@@ -290,7 +368,8 @@ class SideChannelClient:
     mid-exchange), so a late reply can never be read as the answer to a later request. At most
     ``max_idle_per_peer`` idle sockets per peer and ``max_peers`` peers are kept (least recently
     used peers are dropped first); with ``max_idle_per_peer=0`` every connection is closed after its
-    request (what :func:`request` does).
+    request (what :func:`request` does). With ``auth`` every request is sealed and only a reply
+    sealed to it is read (a peer's plain refusal is an error).
     """
 
     def __init__(
@@ -299,8 +378,11 @@ class SideChannelClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_idle_per_peer: int = 4,
         max_peers: int = 64,
+        *,
+        auth: SideChannelAuth | None = None,
     ):
         self._decoder = _decoder(reply_types, with_error=True)
+        self._auth = auth
         self._max_bytes = max_message_bytes
         self._max_idle, self._max_peers = max_idle_per_peer, max_peers
         self._idle: OrderedDict[str, list[zmq.Socket]] = OrderedDict()  # endpoint -> idle sockets
@@ -310,6 +392,11 @@ class SideChannelClient:
 
     def request(self, address: str, message: msgspec.Struct, timeout_s: float) -> msgspec.Struct:
         payload = _encode_request(message, self._max_bytes)
+        nonce = b""
+        if self._auth is not None:
+            payload, nonce = self._auth.seal_request(payload)
+            if len(payload) > self._max_bytes:
+                raise SideChannelError(f"sealed request of {len(payload)} bytes exceeds the limit of {self._max_bytes}")
         endpoint = _endpoint(address)
         try:
             sock = self._checkout(endpoint)
@@ -324,7 +411,27 @@ class SideChannelClient:
             _close_socket(sock)
             raise
         self._checkin(endpoint, sock)
+        if self._auth is not None:
+            raw = self._open_reply(raw, nonce, address)
         return _decode_reply(self._decoder, raw, address)
+
+    def _open_reply(self, raw: bytes, nonce: bytes, address: str) -> bytes:
+        """The body of the reply sealed to our request; a plain reply can only be a refusal."""
+        assert self._auth is not None
+        try:
+            sealed = decode_sealed(raw)
+        except AuthError:
+            try:
+                refusal = msgspec.msgpack.decode(raw, type=ErrorReply)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                raise SideChannelError(f"{address} sent an unauthenticated reply (it has no side-channel "
+                                       f"secret, or is not a side channel)") from None
+            raise SideChannelError(f"{address} refused the request: "
+                                   f"{refusal.message[:_SHOWN_ERROR_CHARS]}") from None
+        try:
+            return self._auth.open_reply(sealed, nonce)
+        except AuthError as exc:
+            raise SideChannelError(f"reply from {address} failed authentication: {exc}") from None
 
     def _checkout(self, endpoint: str) -> zmq.Socket:
         with self._lock:

@@ -31,6 +31,7 @@ from kv_mooncake.local_cache import LocalCache, check_kv_cache_groups, describe_
 from kv_mooncake.metadata import MooncakeStep
 from kv_mooncake.prefill_holder import PrefillHolder
 from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
+from kv_mooncake.side_channel_auth import SideChannelAuth, auth_from_env
 
 __all__ = ["PULL_BATCH_BLOCKS", "LocalCache", "MooncakeWorker", "PeerDown", "PullFailed", "check_kv_cache_groups",
            "describe_kv_caches", "query_leaks"]
@@ -138,6 +139,7 @@ class MooncakeWorker:
             self.server = side_channel.SideChannelServer(
                 self.config.side_channel_host, port, self.handle, P.REQUEST_TYPES,
                 self.config.max_message_bytes, name=f"mooncake-side-channel:{port}",
+                auth=auth_from_env(self.config.side_channel_secret_env), trusted_only=(P.LeakQuery,),
             ).start()
             logger.info("MooncakeConnectorV1 %s rank: side channel %s, TE %s",
                         "prefill" if self.is_producer else "decode", self.server.address, self.te.rpc_address)
@@ -184,8 +186,10 @@ class MooncakeWorker:
             self.te.close()
 
 
-def query_leaks(address: str, timeout_s: float = 2.0) -> dict[str, int]:
-    reply = side_channel.request(address, P.LeakQuery(), P.REPLY_TYPES, timeout_s)
+def query_leaks(address: str, timeout_s: float = 2.0, auth: SideChannelAuth | None = None) -> dict[str, int]:
+    """A rank's leak report; sealed with ``auth``, else with ``KV_SECRET`` when that is set."""
+    reply = side_channel.request(address, P.LeakQuery(), P.REPLY_TYPES, timeout_s,
+                                 auth=auth if auth is not None else auth_from_env(None))
     if not isinstance(reply, P.LeakReport):
         raise RuntimeError(f"unexpected reply {reply!r}")
     return msgspec.structs.asdict(reply)

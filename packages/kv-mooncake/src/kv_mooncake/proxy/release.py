@@ -5,7 +5,8 @@ instance frees them itself when vLLM aborts a request it has already scheduled, 
 request never reached it (the client left between the legs, the decode answered 4xx, every decode
 was down). The proxy then sends MooncakeConnectorV1's ``FreeNow`` to each prefill rank's side
 channel. FreeNow is idempotent and waits for reads under a current lease, so a late or duplicate
-one never pulls blocks from under a decode.
+one never pulls blocks from under a decode. Prefills with a side-channel secret take it sealed with
+``KV_SECRET`` from the proxy's environment (``kv_mooncake.side_channel_auth``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from kv_common.logging_utils import get_logger
 
 from kv_mooncake import protocol as P
 from kv_mooncake import side_channel
+from kv_mooncake.side_channel_auth import auth_from_env
 from kv_mooncake.transfer_params import parse_transfer_params
 
 logger = get_logger(__name__)
@@ -36,10 +38,15 @@ def release_prefill_blocks(params: dict, timeout_s: float) -> int:
     if parsed is None or not addresses:
         return 0
     message = P.FreeNow(request_id=str(parsed.request_id), reader_id=READER_ID)
+    try:
+        auth = auth_from_env(None)
+    except ValueError as exc:  # KV_SECRET too short: the prefills refuse it too
+        logger.warning("kv-mooncake-proxy: FreeNow for %s not sent: %s", parsed.request_id, exc)
+        return 0
     acked = 0
     for address in addresses:
         try:
-            reply = side_channel.request(address, message, P.REPLY_TYPES, timeout_s)
+            reply = side_channel.request(address, message, P.REPLY_TYPES, timeout_s, auth=auth)
         except Exception as exc:  # noqa: BLE001 - the hold expires anyway; report and go on
             logger.warning("kv-mooncake-proxy: FreeNow for %s to %s failed: %s", parsed.request_id, address, exc)
             continue
