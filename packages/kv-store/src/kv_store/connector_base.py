@@ -35,7 +35,7 @@ from kv_store import keys as keys_mod
 from kv_store import manifest as manifest_mod
 from kv_store.config import StoreConnectorConfig
 from kv_store.failure_policy import apply_recompute_policy
-from kv_store.scheduler import StoreScheduler
+from kv_store.scheduler import StoreScheduler, hash_block_size
 from kv_store.stats import StoreStats, vllm_stats_class
 from kv_store.vllm_metadata import StoreConnectorMetadata, StoreWorkerMetadata
 from kv_store.worker import StoreWorker
@@ -194,7 +194,8 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
                 use_mla=fp["use_mla"], total_kv_heads=fp["total_kv_heads"], pp_size=fp["pp_size"],
             )
             self._scheduler = StoreScheduler(
-                backend=self.backend, namespace=self.namespace, rank_tags=tags, block_size=self.block_size,
+                backend=self.backend, namespace=self.namespace, rank_tags=tags,
+                block_size=hash_block_size(self.block_size, fp["dcp_size"], kv_cache_config),
                 config=cfg, load_enabled=load, save_enabled=save, stats=self.stats,
             )
         else:
