@@ -171,6 +171,9 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         save = cfg.save if cfg.save is not None else bool(ktc.is_kv_producer)
         fp = store_fingerprint(vllm_config)
         fp["value_seal"] = value_seal(cfg)
+        # Values of another format (codec) are in another namespace: after an upgrade the old
+        # blocks are misses, not a manifest that refuses the engine.
+        fp["value_format"] = codec.VALUE_FORMAT
         self.fingerprint = fp
         # A pinned namespace bypasses the digest: the manifest check (register_kv_caches) is then
         # the only thing between this engine and KV of another layout.

@@ -143,8 +143,8 @@ class StoreSaver:
                     return  # given up: its blocks may hold another request's KV by now
                 view.gather(staging, sub, 0, n)
             values = staging.values(n)
-            for value in values:
-                self._store.seal.write(value, view.payload_size)
+            for value, i in zip(values, idx, strict=True):
+                self._store.seal.write(value, view.payload_size, keys[i])
             self._put(view, transfer.request_id, sub.block_hashes, [keys[i] for i in idx], values,
                       self._store.backend.batch_put)
 
@@ -159,7 +159,7 @@ class StoreSaver:
                     return
                 for slot, i in enumerate(idx):
                     parts = view.block_parts(transfer, i, trailers[slot])
-                    self._store.seal.seal_parts(parts)
+                    self._store.seal.seal_parts(parts, keys[i])
                     values.append(parts)
             put = self._store.backend.batch_put_parts  # type: ignore[attr-defined]
             self._put(view, transfer.request_id, [transfer.block_hashes[i] for i in idx], [keys[i] for i in idx],
