@@ -48,7 +48,6 @@ MAGIC_TAG_ONLY = b"KVBL"
 # Values sealed before the key was bound (issue 23): a miss, never trusted.
 OLD_MAGICS = (b"KVS3", b"KVSM", b"KVSL")
 MAX_PAYLOAD = (1 << 32) - 1
-MAX_STORE_KEY = 1 << 16
 # In the namespace manifest and the derived namespace: writers of another format share nothing.
 VALUE_FORMAT = "key-bound"
 MIN_KEY_BYTES = 16
@@ -74,11 +73,9 @@ def bound_seed(tag: int, store_key: bytes) -> int:
 
 
 def _key_frame(store_key: bytes) -> memoryview:
-    """The store key as the MAC's first input, length-prefixed (no key is a prefix of another's
-    framing)."""
-    if len(store_key) > MAX_STORE_KEY:
-        raise ValueError(f"a store key of {len(store_key)} bytes exceeds {MAX_STORE_KEY}")
-    return memoryview(len(store_key).to_bytes(4, "little") + store_key)
+    """The store key as the MAC's first input, length-prefixed: where the key ends and the
+    payload starts is part of what the MAC covers."""
+    return memoryview(len(store_key).to_bytes(8, "little") + store_key)
 
 
 def _digest(parts: Sequence[memoryview], key: bytes | None, tag: int) -> int:
