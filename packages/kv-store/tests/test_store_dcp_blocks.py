@@ -3,7 +3,8 @@
 and one scheduler block id per ``block_size * dcp`` tokens; each DCP rank holds its share of those
 tokens in its own cache block of ``block_size`` rows). The store's scheduler side must count tokens
 in those blocks: counted in cache blocks, it told vLLM half the tokens it loaded (DCP 2) and
-loaded later blocks than vLLM marked as loaded."""
+loaded later blocks than vLLM marked as loaded. Also, on the same scheduler-side connector: the
+value format is part of the derived namespace (issue 23 §3)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,33 @@ def test_store_hits_count_tokens_in_dcp_hash_blocks(kv_cache_config):
         assert [(t.block_hashes, t.block_ids) for t in plan.loads] == [(local.block_hashes[1:], [[9]])]
     finally:
         connector.shutdown()
+
+
+def test_a_chunked_prefill_saves_only_hash_blocks_it_has_computed():
+    """12 of 17 tokens computed: one hash block (8 tokens) is complete, the second is not. Counted
+    in cache blocks (3 of 4 tokens), the second hash block's KV was saved half computed."""
+    connector = scheduler_connector(SimpleNamespace(num_blocks=16, kv_cache_groups=[], hash_block_size=HASH_BLOCK))
+    req = dcp_request("c")
+    try:
+        assert connector.get_num_new_matched_tokens(req, 0) == (0, False)
+        connector.update_state_after_alloc(req, FakeBlocks([1, 2, 3]), 0)
+        plan = connector.build_connector_meta(new_req_output(req, [1, 2, 3], 0, 12)).plan
+        assert [(t.block_hashes, t.block_ids) for t in plan.saves] == [(req.block_hashes[:1], [[1]])]
+    finally:
+        connector.shutdown()
+
+
+def test_the_value_format_is_part_of_the_derived_namespace(monkeypatch):
+    """After an upgrade of the value format the old blocks are in another namespace (misses), not
+    behind a manifest whose ``value_format`` differs (which refuses to start)."""
+    from kv_store import codec
+
+    kv_cache_config = SimpleNamespace(num_blocks=16, kv_cache_groups=[])
+    connectors = [scheduler_connector(kv_cache_config)]
+    monkeypatch.setattr(codec, "VALUE_FORMAT", "an older format")
+    connectors.append(scheduler_connector(kv_cache_config))
+    try:
+        assert connectors[0].namespace != connectors[1].namespace
+    finally:
+        for connector in connectors:
+            connector.shutdown()
