@@ -52,3 +52,33 @@ def test_concurrent_records_none_lost():
     taken.update(ledger.take_block_ids_with_load_errors())
     assert len(taken) == 4 * 500 * 2
     assert len(ledger.take_failed_requests()) == 2000
+
+
+def test_memory_stays_bounded_over_100k_failed_loads():
+    """Issue 23 §8: the ledger kept one request id per failed load for ever (nobody takes them)."""
+    import tracemalloc
+
+    ledger = FailureLedger()
+    tracemalloc.start()
+    try:
+        for step in range(1000):
+            for i in range(100):
+                ledger.record_failed_load(f"request-{step}-{i}", [[i]])
+            ledger.take_block_ids_with_load_errors()  # vLLM drains the blocks every step
+            if step == 99:
+                after_10k = tracemalloc.get_traced_memory()[0]
+        grown = tracemalloc.get_traced_memory()[0] - after_10k
+    finally:
+        tracemalloc.stop()
+    assert len(ledger) <= 10_000, f"{len(ledger)} request ids kept after 100k failed loads"
+    assert grown < 256 << 10, f"{grown} bytes more after 100k failed loads than after 10k"
+
+
+def test_a_finished_requests_entry_is_gone():
+    ledger = FailureLedger()
+    ledger.record_failed_load("finished", [[1]])
+    ledger.record_failed_load("running", [[2]])
+    ledger.forget_requests({"finished"})
+    assert len(ledger) == 1
+    assert ledger.take_failed_requests() == {"running"}
+    assert ledger.take_block_ids_with_load_errors() == {1, 2}  # the step's blocks are still reported

@@ -256,3 +256,15 @@ def test_replica_rank_does_not_write_but_still_loads_and_finishes():
     assert replica.ledger.take_block_ids_with_load_errors() == set()
     writer.close(5)
     replica.close(5)
+
+
+def test_a_failed_load_is_forgotten_once_its_request_finishes():
+    """Issue 23 §8: the failure ledger kept every failed request's id for ever."""
+    worker, _ = make_worker(EmbeddedBackend(16 << 20))
+    missing = BlockTransfer(request_id="l", block_hashes=[bytes([7]) * 32], block_ids=[[3]])
+    worker.load_sync(StorePlan(loads=[missing]))
+    assert worker.ledger.take_block_ids_with_load_errors() == {3}  # vLLM recomputes it
+    assert len(worker.ledger) == 1
+    worker.get_finished({"l"})
+    assert len(worker.ledger) == 0, "a finished request's failed load is kept for ever"
+    worker.close(1)

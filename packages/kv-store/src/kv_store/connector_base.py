@@ -35,7 +35,7 @@ from kv_store import keys as keys_mod
 from kv_store import manifest as manifest_mod
 from kv_store.config import StoreConnectorConfig
 from kv_store.failure_policy import apply_recompute_policy
-from kv_store.scheduler import StoreScheduler
+from kv_store.scheduler import StoreScheduler, hash_block_size
 from kv_store.stats import StoreStats, vllm_stats_class
 from kv_store.vllm_metadata import StoreConnectorMetadata, StoreWorkerMetadata
 from kv_store.worker import StoreWorker
@@ -174,6 +174,9 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         save = cfg.save if cfg.save is not None else bool(ktc.is_kv_producer)
         fp = store_fingerprint(vllm_config)
         fp["value_seal"] = value_seal(cfg)
+        # Values of another format (codec) are in another namespace: after an upgrade the old
+        # blocks are misses, not a manifest that refuses the engine.
+        fp["value_format"] = codec.VALUE_FORMAT
         self.fingerprint = fp
         # A pinned namespace bypasses the digest: the manifest check (register_kv_caches) is then
         # the only thing between this engine and KV of another layout.
@@ -197,7 +200,8 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
                 use_mla=fp["use_mla"], total_kv_heads=fp["total_kv_heads"], pp_size=fp["pp_size"],
             )
             self._scheduler = StoreScheduler(
-                backend=self.backend, namespace=self.namespace, rank_tags=tags, block_size=self.block_size,
+                backend=self.backend, namespace=self.namespace, rank_tags=tags,
+                block_size=hash_block_size(self.block_size, fp["dcp_size"], kv_cache_config),
                 config=cfg, load_enabled=load, save_enabled=save, stats=self.stats,
             )
         else:

@@ -101,7 +101,7 @@ class StoreLoader:
             values = staging.values(n, row)
             good, why, seconds = self._fetch_checked(
                 transfer, keys, values, self._store.backend.batch_get_into,
-                lambda value, nbytes: self._store.seal.check(value, view.payload_size, nbytes),
+                lambda value, nbytes, key: self._store.seal.check(value, view.payload_size, nbytes, key),
             )
             out.append(_Fetched(transfer, good, row, why, seconds))
             row += n
@@ -109,7 +109,7 @@ class StoreLoader:
 
     def _fetch_checked(self, transfer: BlockTransfer, keys: list[str], values: list[Any],
                        get: Callable[[list[str], list[Any]], Sequence[int]],
-                       check: Callable[[Any, int], str | None]) -> tuple[int, str, float]:
+                       check: Callable[[Any, int, str], str | None]) -> tuple[int, str, float]:
         """Fetch ``values`` in cache-sized passes and check each pass as soon as it landed, while
         its bytes are still in cache: (leading intact blocks, why the next is not, seconds in the
         get). Stops at the first bad block: the blocks after it are recomputed anyway. A get that
@@ -127,7 +127,7 @@ class StoreLoader:
             for i, nbytes in enumerate(results, lo):
                 if nbytes < 0:
                     return good, "miss", seconds
-                problem = check(values[i], nbytes)
+                problem = check(values[i], nbytes, keys[i])  # sealed for this very key
                 if problem is not None:
                     return good, f"corrupt ({problem})", seconds
                 good += 1

@@ -7,7 +7,8 @@
 - Deadline (a slow or hung backend never stalls the engine): a save not done within
   ``save_timeout_s`` is given up: its request is reported finished (vLLM frees its blocks), no
   later chunk of it is gathered, and new saves are skipped while the backend stays stuck. Results
-  of a late call touch no report.
+  of a late call touch no report. A save given up while vLLM preempts its request is remembered
+  until that request finishes and is reported (vLLM holds its blocks for it by then).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class StoreSaver:
         # may belong to other requests by then). Held under _gather_lock while gathering.
         self._gather_lock = threading.Lock()
         self._released: dict[str, list[_SaveJob]] = {}
+        # Given up before vLLM finished them (a preemption waited past the deadline): vLLM holds
+        # their blocks once they finish, so each must be reported then, even with no save left.
+        self._released_unreported: set[str] = set()
         self._saving_since: float | None = None  # when the running save started
         self._finished: set[str] = set()  # vLLM finished these; report once their saves are done
 
@@ -139,8 +143,8 @@ class StoreSaver:
                     return  # given up: its blocks may hold another request's KV by now
                 view.gather(staging, sub, 0, n)
             values = staging.values(n)
-            for value in values:
-                self._store.seal.write(value, view.payload_size)
+            for value, i in zip(values, idx, strict=True):
+                self._store.seal.write(value, view.payload_size, keys[i])
             self._put(view, transfer.request_id, sub.block_hashes, [keys[i] for i in idx], values,
                       self._store.backend.batch_put)
 
@@ -155,7 +159,7 @@ class StoreSaver:
                     return
                 for slot, i in enumerate(idx):
                     parts = view.block_parts(transfer, i, trailers[slot])
-                    self._store.seal.seal_parts(parts)
+                    self._store.seal.seal_parts(parts, keys[i])
                     values.append(parts)
             put = self._store.backend.batch_put_parts  # type: ignore[attr-defined]
             self._put(view, transfer.request_id, [transfer.block_hashes[i] for i in idx], [keys[i] for i in idx],
@@ -192,6 +196,8 @@ class StoreSaver:
                                          if timeout > 0 else None)
                 except FutureTimeout:
                     self._release(req_id)
+                    with self._lock:
+                        self._released_unreported.add(req_id)
                     break
 
     def _release(self, req_id: str) -> None:
@@ -221,13 +227,15 @@ class StoreSaver:
             for req_id in list(self._finished):
                 jobs = self._pending.get(req_id)
                 if jobs is None:
-                    self._finished.discard(req_id)  # never saved (or given up): nothing held
-                    if req_id in self._released:
+                    self._finished.discard(req_id)  # never saved, or given up: nothing to wait for
+                    if req_id in self._released_unreported:
+                        self._released_unreported.discard(req_id)
                         done.add(req_id)
                     continue
                 if all(j.future.done() for j in jobs):
                     del self._pending[req_id]
                     self._finished.discard(req_id)
+                    self._released_unreported.discard(req_id)
                     done.add(req_id)
                 elif self._overdue(jobs, now):
                     overdue.append(req_id)
@@ -244,7 +252,7 @@ class StoreSaver:
     def leak_report(self) -> dict[str, int]:
         with self._lock:
             pending = sum(1 for js in self._pending.values() for j in js if not j.future.done())
-            held = len(self._pending)
+            held = len(self._pending) + len(self._released_unreported)
         return {"pending_saves": pending, "held_requests": held}
 
     def close(self, deadline: float) -> None:

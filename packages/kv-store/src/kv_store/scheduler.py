@@ -45,6 +45,15 @@ class _RequestState:
     has_saves: bool = False
 
 
+def hash_block_size(cache_block_size: int, dcp_size: int, kv_cache_config: Any = None) -> int:
+    """Tokens per ``Request.block_hashes`` entry and per scheduler block id: the unit of every
+    count on this side. vLLM 0.32 hashes and aligns prefixes in blocks of ``block_size * dcp``
+    under decode context parallelism (each DCP rank holds its share of a block's tokens in a cache
+    block of ``block_size`` rows) and says so in ``kv_cache_config.hash_block_size``."""
+    resolved = int(getattr(kv_cache_config, "hash_block_size", 0) or 0)
+    return resolved if resolved > 0 else cache_block_size * max(1, dcp_size)
+
+
 class StoreScheduler:
     def __init__(
         self,

@@ -1,6 +1,7 @@
 """How this worker seals its values and checks the ones it loads: the checksum setting, the
 deployment's MAC key and the layout tag, held once for the saver and the loader (the format
-itself is ``codec``'s)."""
+itself is ``codec``'s). Each value is sealed for, and checked against, the store key it is stored
+under: a value copied to another key fails its check."""
 
 from __future__ import annotations
 
@@ -17,18 +18,18 @@ class ValueSeal:
         # before the first step: sealed into every value and checked on every load (``codec``).
         self.layout_tag = 0
 
-    def write(self, value: memoryview, payload_size: int) -> None:
-        codec.write_trailer(value, payload_size, self.checksum, self.mac_key, self.layout_tag)
+    def write(self, value: memoryview, payload_size: int, store_key: str) -> None:
+        codec.write_trailer(value, payload_size, self.checksum, self.mac_key, self.layout_tag, store_key.encode())
 
-    def check(self, value: memoryview, payload_size: int, nbytes: int) -> str | None:
-        return codec.check_value(value, payload_size, nbytes, self.mac_key, self.layout_tag)
+    def check(self, value: memoryview, payload_size: int, nbytes: int, store_key: str) -> str | None:
+        return codec.check_value(value, payload_size, nbytes, self.mac_key, self.layout_tag, store_key.encode())
 
-    def seal_parts(self, parts: Sequence[memoryview]) -> None:
+    def seal_parts(self, parts: Sequence[memoryview], store_key: str) -> None:
         """``parts``: a value's payload slices, then its trailer."""
-        codec.seal_parts(parts[:-1], parts[-1], self.checksum, self.mac_key, self.layout_tag)
+        codec.seal_parts(parts[:-1], parts[-1], self.checksum, self.mac_key, self.layout_tag, store_key.encode())
 
-    def check_parts(self, parts: Sequence[memoryview], nbytes: int) -> str | None:
-        return codec.check_parts(parts[:-1], parts[-1], nbytes, self.mac_key, self.layout_tag)
+    def check_parts(self, parts: Sequence[memoryview], nbytes: int, store_key: str) -> str | None:
+        return codec.check_parts(parts[:-1], parts[-1], nbytes, self.mac_key, self.layout_tag, store_key.encode())
 
     @property
     def detects_stale_bytes(self) -> bool:

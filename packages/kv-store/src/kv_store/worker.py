@@ -128,6 +128,7 @@ class StoreWorker:
         self.saver.wait_for(request_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        self.ledger.forget_requests(finished_req_ids)  # their failed blocks went out when they failed
         return self.saver.finished(finished_req_ids)
 
     def load_sync(self, plan: StorePlan) -> None:
