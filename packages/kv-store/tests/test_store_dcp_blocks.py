@@ -109,3 +109,17 @@ def test_the_value_format_is_part_of_the_derived_namespace(monkeypatch):
     finally:
         for connector in connectors:
             connector.shutdown()
+
+
+def test_dcp_instances_with_other_interleave_sizes_never_share_a_namespace():
+    """With DCP > 1 the interleave size decides which rank holds which tokens of a block: the same
+    rank tag and block hash hold other tokens' KV, so the namespaces must differ."""
+    from kv_store import keys
+    from kv_store.connector_base import store_fingerprint
+
+    def namespace(**kw):
+        return keys.namespace(store_fingerprint(fake_vllm_config(**kw)))
+
+    assert namespace(dcp=2, interleave=1) != namespace(dcp=2, interleave=16)
+    # With one DCP rank every interleave lays tokens out alike: one namespace.
+    assert namespace(dcp=1, interleave=1) == namespace(dcp=1, interleave=16)

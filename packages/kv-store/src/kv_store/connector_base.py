@@ -79,6 +79,10 @@ def store_fingerprint(vllm_config: Any) -> dict[str, Any]:
     }
     # Layer set: the whole model's layers and how vLLM splits them over the PP stages (an uneven
     # VLLM_PP_LAYER_PARTITION gives a stage other layers under the same stage tag).
+    # With DCP > 1 the interleave size decides which rank holds which tokens of a block (the same
+    # rank tag and hash hold other tokens' KV). Only then: DCP 1 namespaces stay as they were.
+    if settings.dcp_size > 1:
+        fp["cp_kv_cache_interleave_size"] = settings.cp_kv_cache_interleave_size
     fp["pp_size"] = settings.pipeline_parallel_size
     fp["pp_layer_partition"] = os.environ.get("VLLM_PP_LAYER_PARTITION", "") if fp["pp_size"] > 1 else ""
     for name, getter in (
