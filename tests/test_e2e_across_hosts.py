@@ -24,6 +24,7 @@ import json
 import os
 import random
 import re
+import resource
 import sys
 import tempfile
 import threading
@@ -128,6 +129,11 @@ def _wait_listening(proc: HostProcess, address: str, port: int, deadline: float)
             time.sleep(0.2)
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 @pytest.fixture(scope="module")
 def cluster():
     scripts = readme_scripts(README.read_text())
@@ -136,7 +142,7 @@ def cluster():
     net = TestNetwork()
     reference = EngineProcess(model, kv_transfer_config=None, max_tokens=MAX_TOKENS, max_model_len=4096,
                               multiprocess=False, name="reference", cpu_bind="1", start_timeout_s=START_TIMEOUT_S)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
     try:
         net.open()
         hosts = {name: net.add_host(name) for name in
@@ -185,6 +191,8 @@ def cluster():
             t.start()
         for t in closers:
             t.join(120)
+        # What the module costs on an idle machine: CPU seconds of every process it ran, per core.
+        print(f"\n[cluster] processes used {_children_cpu_s() - cpu0:.0f} CPU-s in {time.perf_counter() - t0:.0f}s")
         assert net.leftovers() == []
 
 
