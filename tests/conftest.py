@@ -7,6 +7,9 @@ import random
 import time
 
 import pytest
+from kv_common.testing.ports import use_loopback_host
+
+use_loopback_host()  # every engine of these tests runs on this machine, reached at 127.0.0.1
 
 BLOCK = 128  # vLLM's CPU block size
 

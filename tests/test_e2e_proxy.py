@@ -38,7 +38,7 @@ pytest.importorskip("fastapi")
 
 from conftest import mooncake_leaks  # noqa: E402
 from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
-from kv_common.testing.ports import free_port  # noqa: E402
+from kv_common.testing.ports import LOOPBACK_HOST_ENV, free_port  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -144,7 +144,7 @@ def cluster():
     kv = {"p1": 17850, "p2": 17950, "d": 18050}
     log_dir = Path(tempfile.mkdtemp(prefix="kv-e2e-proxy-"))
     model = _model_with_chat_template(log_dir)
-    env = {**os.environ, "MODEL": str(model), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    env = {**os.environ, **LOOPBACK_HOST_ENV, "MODEL": str(model), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "MC_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)

@@ -3,6 +3,10 @@ puts this folder on ``sys.path``, and each package's tests run in their own sess
 
 from __future__ import annotations
 
+from kv_common.testing.ports import use_loopback_host
+
+use_loopback_host()  # peers of these tests run in this process or beside it, reached at 127.0.0.1
+
 
 class FakeTransferEngine:
     """Stands in for the TransferEngine where a test moves no byte through it (the TE has its own

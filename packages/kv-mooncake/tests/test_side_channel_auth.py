@@ -394,14 +394,18 @@ def test_doctor_warns_of_a_side_channel_beyond_loopback_without_a_secret(monkeyp
     from kv_common.doctor import WARN
 
     monkeypatch.delenv("KV_SECRET", raising=False)
+    def beyond_loopback(report):
+        # Other warnings (the advertised address) are the address checks' business.
+        return [c.detail for c in report.checks if c.status == WARN and "beyond loopback" in c.detail]
+
     report = _doctor("0.0.0.0")
-    warned = [c.detail for c in report.checks if c.status == WARN]
+    warned = beyond_loopback(report)
     assert len(warned) == 1 and "side channel of worker rank 0" in warned[0] and "beyond loopback" in warned[0]
     assert report.ok
-    assert not [c for c in _doctor("127.0.0.1").checks if c.status == WARN]
+    assert not beyond_loopback(_doctor("127.0.0.1"))
     monkeypatch.setenv("KV_SECRET", SECRET)
     report = _doctor("0.0.0.0")
-    assert not [c for c in report.checks if c.status == WARN]
+    assert not beyond_loopback(report)
     assert any("sealed with the secret from KV_SECRET" in c.detail for c in report.checks)
     assert not any(SECRET in c.detail for c in report.checks)
     # A named variable that is not set is a problem: the engine would refuse to start.

@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from kv_common.testing.ports import use_loopback_host
 from kv_store.testing import MooncakeMaster
+
+use_loopback_host()  # the master and every client of these tests run on this machine
 
 
 @pytest.fixture

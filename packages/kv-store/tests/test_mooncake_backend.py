@@ -94,3 +94,12 @@ def test_embedded_store_backend_parts(tmp_path):
     fresh = EmbeddedStoreBackend(1 << 20, spill_dir=tmp_path)  # another process: through the file
     assert fresh.batch_get_parts(["k"], [[memoryview(out2), memoryview(out1)]]) == [5]
     assert bytes(out2 + out1) == b"abcde"
+
+
+def test_the_store_client_advertises_this_machines_address_by_default(monkeypatch):
+    """A client that tells a remote master 127.0.0.1 cannot be reached by the other clients: the default
+    is this machine's address as vLLM finds it (VLLM_HOST_IP first); an explicit local_hostname wins."""
+    monkeypatch.setenv("VLLM_HOST_IP", "10.9.8.7")
+    env = {"MOONCAKE_MASTER": "10.0.0.2:50051"}
+    assert resolve_mooncake(MooncakeOptions(), environ=env)["local_hostname"] == "10.9.8.7"
+    assert resolve_mooncake(MooncakeOptions(local_hostname="10.0.0.1"), environ=env)["local_hostname"] == "10.0.0.1"

@@ -7,7 +7,9 @@ check finds a problem:
 - ``--kv-transfer-config``: the connector (each child of a ``MultiConnector``) and its
   ``kv_connector_extra_config`` parsed by the connector's own start-up parser (the spec's
   ``config_parser``), so a bad key fails here with the same message as in vLLM;
-- from the parsed config (``ConnectorConfig.preflight``): ports this instance will listen on are
+- from the parsed config (``ConnectorConfig.preflight``): the addresses this instance tells its
+  peers (a warning when one is loopback, unspecified, or not an address of this machine: peers on
+  other machines would wait for it until their deadline), ports this instance will listen on are
   free on the configured host, peers and the Mooncake master accept a TCP connection within a short
   deadline, store directories are writable, the engines the config needs import; a listener that
   answers any peer (no shared secret) and binds beyond loopback is a warning;
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import importlib
 import ipaddress
 import json
 import logging
 import os
 import socket
+import struct
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -35,7 +39,9 @@ from typing import Any
 from kv_common.registry import ConnectorSpec, discover_connectors, name_owners
 
 OK, PROBLEM, INFO = "ok", "problem", "info"
-WARN = "warning"  # worth fixing, but the instance starts and works: does not fail the doctor
+# WARN: worth fixing, shown, but the instance starts and works: the exit status stays 0
+# (loopback is right when every peer runs on this machine).
+WARN = "warning"
 DEFAULT_TIMEOUT_S = 2.0
 # vLLM's KVTransferConfig defaults (vllm/config/kv_transfer.py).
 VLLM_DEFAULT_KV_PORT = 14579
@@ -55,6 +61,8 @@ ENGINES = (
 class Preflight:
     """What a parsed config needs from the machine; built by ``ConnectorConfig.preflight``."""
 
+    # (host, what, the key that overrides it): an address peers are told to reach this instance at
+    advertise: list[tuple[str, str, str]] = field(default_factory=list)
     bind: list[tuple[str, int, str]] = field(default_factory=list)  # (host, port, what): must be free
     connect: list[tuple[str, int, str]] = field(default_factory=list)  # (host, port, what): must answer
     writable_dirs: list[tuple[str, str]] = field(default_factory=list)  # (path, what)
@@ -140,6 +148,88 @@ def beyond_loopback(host: str) -> bool:
         if not ip.is_loopback:
             return True
     return not infos
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
+
+
+def local_addresses() -> list[str]:
+    """This machine's addresses: IPv4 per interface (``SIOCGIFADDR``), IPv6 from ``/proc/net/if_inet6``,
+    and every address ``ip -o addr`` lists (secondary ones included) where ``ip`` is installed. Each
+    source is optional: whatever can be read is returned."""
+    found: list[str] = []
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                found.append(socket.inet_ntoa(packed[20:24]))
+    with contextlib.suppress(OSError, ValueError), open("/proc/net/if_inet6", encoding="ascii") as f:
+        for line in f:
+            digits = line.split()[0]
+            found.append(str(ipaddress.IPv6Address(bytes.fromhex(digits))))
+    found.extend(_ip_command_addresses())
+    return list(dict.fromkeys(found))
+
+
+def _ip_command_addresses() -> list[str]:
+    import shutil
+    import subprocess
+
+    ip = shutil.which("ip")
+    if ip is None:
+        return []
+    try:
+        out = subprocess.run([ip, "-o", "addr"], capture_output=True, text=True, timeout=2.0, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    addresses = []
+    for line in out.splitlines():
+        words = line.split()
+        for i, word in enumerate(words[:-1]):
+            if word in ("inet", "inet6"):
+                addresses.append(words[i + 1].split("/")[0])
+    return addresses
+
+
+def _is_local(address: str) -> bool:
+    """An address this machine can bind (what a listener on it needs), where the kernel refuses
+    to bind foreign addresses (``ip_nonlocal_bind`` off, the default)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sysctl = "/proc/sys/net/ipv6/ip_nonlocal_bind" if family == socket.AF_INET6 else "/proc/sys/net/ipv4/ip_nonlocal_bind"
+    with contextlib.suppress(OSError), open(sysctl, encoding="ascii") as f:
+        if f.read().strip() != "0":
+            return False  # any address binds: the list of this machine's addresses decides alone
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def advertised_address(host: str, key: str) -> tuple[str, str]:
+    """(status, text) for an address peers are told: OK when it is one of this machine's and not
+    loopback, else WARN saying why and what to set."""
+    fix = f"set VLLM_HOST_IP or {key!r} to the address peers reach this machine at"
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    except OSError as exc:
+        return WARN, f"{host}, which does not resolve here ({exc}): {fix}"
+    parsed = [ipaddress.ip_address(a.split("%")[0]) for a in addresses]
+    shown = host if addresses == [host] else f"{host} ({', '.join(addresses)})"
+    if any(a.is_unspecified for a in parsed):
+        return WARN, f"{shown}, which no peer can connect to: {fix}"
+    if all(a.is_loopback for a in parsed):
+        return WARN, (f"{shown}, a loopback address: only peers on this machine can reach it (fine when every "
+                      f"peer runs here); for peers on other machines {fix}")
+    mine = local_addresses()
+    if not any(a in mine or _is_local(a) for a in addresses):
+        # Link-local addresses (fe80::) are left out: no peer on another link is told those.
+        mine_text = ", ".join(a for a in mine if not ipaddress.ip_address(a.split("%")[0]).is_link_local) \
+            or "none found"
+        return WARN, f"{shown}, but {host} is not an address of this machine (its addresses: {mine_text}): {fix}"
+    return OK, f"{shown}, an address of this machine"
 
 
 def dir_writable(path: str) -> str | None:
@@ -289,6 +379,9 @@ def run_preflight(report: Report, section: str, plan: Preflight, timeout_s: floa
         report.add(section, PROBLEM, problem)
     for note in plan.notes:
         report.add(section, INFO, note)
+    for host, what, key in plan.advertise:
+        status, told = advertised_address(host, key)
+        report.add(section, status, f"{what}: peers are told {told}")
     for module, attribute, what in plan.modules:
         why = importable(module, attribute)
         name = f"{module}.{attribute}" if attribute else module

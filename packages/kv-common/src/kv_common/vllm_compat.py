@@ -6,6 +6,9 @@ Everything is imported lazily so that kv-common works (and its tests run) withou
 from __future__ import annotations
 
 import importlib
+import os
+import socket
+import sys
 from typing import Any
 
 from kv_common import kv_byte_settings as kbs
@@ -56,6 +59,44 @@ def kv_events_module() -> Any:
 
 def vllm_version() -> str:
     return str(_import("vllm").__version__)
+
+
+def host_ip() -> str:
+    """This machine's address as vLLM tells its peers, and what a connector advertises by default
+    (vllm-ascend's connectors do the same): ``VLLM_HOST_IP`` when set, else the address of the
+    interface that routes outward. vLLM's own helper answers where vLLM is loaded (always in an
+    engine); elsewhere (``doctor --no-vllm``, tools) :func:`host_ip_without_vllm` applies the same
+    rule without importing vLLM and torch (seconds)."""
+    if "vllm" in sys.modules:
+        for module in ("vllm.utils.network_utils", "vllm.utils"):  # 0.32; older releases
+            try:
+                get_ip = getattr(importlib.import_module(module), "get_ip", None)
+            except Exception:  # noqa: BLE001 - a partial vLLM: the same rule below
+                continue
+            if get_ip is not None:
+                return str(get_ip())
+    return host_ip_without_vllm()
+
+
+# Where the address of the outward interface is asked for: no packet is sent (UDP connect only picks
+# a route), the address need not answer. The ones vLLM's helper uses.
+_ROUTE_PROBES = ((socket.AF_INET, "8.8.8.8"), (socket.AF_INET6, "2001:4860:4860::8888"))
+
+
+def host_ip_without_vllm() -> str:
+    """vLLM's rule (``vllm.utils.network_utils.get_ip``): ``VLLM_HOST_IP``, else the source address of
+    the route outward (IPv4, then IPv6), else "0.0.0.0", which no peer can reach (``doctor`` warns)."""
+    configured = os.environ.get("VLLM_HOST_IP", "")
+    if configured:
+        return configured
+    for family, target in _ROUTE_PROBES:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((target, 80))
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    return "0.0.0.0"
 
 
 def forward_context_kv_caches(forward_context: Any) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
+from kv_common import vllm_compat
 from kv_common.config import ConnectorConfig, parse_extra_config
 
 CONNECTOR_NAME = "MooncakeConnectorV1"
@@ -30,11 +31,17 @@ class ParallelSizes(ConnectorConfig, frozen=True):  # frozen like its base (said
 
 
 class MooncakeConfig(ConnectorConfig, frozen=True):
-    side_channel_host: str = "127.0.0.1"
+    # The address peers are told (kv_transfer_params' remote_host). None: this machine's address as
+    # vLLM finds it (VLLM_HOST_IP first), as vllm-ascend does; 127.0.0.1 reaches no other machine.
+    side_channel_host: str | None = None
+    # The address the side channel listens on. None: the advertised address itself, not every
+    # interface ("0.0.0.0" opens the port to every network this machine is on).
+    side_channel_bind_host: str | None = None
     # Base port of this instance's side channel (each worker rank listens on base + rank index).
     # None: vLLM's ``kv_port``. Instances that share a host need distinct bases.
     side_channel_port: int | None = None
-    # Host the TransferEngine advertises to peers.
+    # Host the TransferEngine advertises to peers (it listens on every interface, Mooncake's choice).
+    # None: the side channel's advertised address.
     te_host: str | None = None
     protocol: Literal["tcp", "rdma", "ascend", "nvlink"] = "tcp"
     device_name: str = ""
@@ -82,6 +89,18 @@ class MooncakeConfig(ConnectorConfig, frozen=True):
         "ascend_local_comm_res_path": "an Ascend HCCL resource file; no NPU transport here",
     }
 
+    def advertised_host(self) -> str:
+        """The side-channel host peers are told (README "Addresses and ports")."""
+        return self.side_channel_host or vllm_compat.host_ip()
+
+    def bind_host(self) -> str:
+        """The host the side channel listens on."""
+        return self.side_channel_bind_host or self.advertised_host()
+
+    def transfer_engine_host(self) -> str:
+        """The host the TransferEngine advertises (in the handshake's ``te_address``)."""
+        return self.te_host or self.advertised_host()
+
     def preflight(self, kv_transfer_config: Mapping[str, Any]) -> Any:
         return _preflight(self, kv_transfer_config)
 
@@ -112,10 +131,14 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
     # Without the engine's own layout only the role-independent refusals can be known here.
     plan.problems.extend(start_up_contradictions(config, is_producer=False, is_consumer=False, tp_size=0, pp_size=0))
     if producer or config.decode_side_channel:
+        plan.advertise.append((config.advertised_host(), "side channel (kv_transfer_params' remote_host)",
+                               "side_channel_host"))
         for rank in range(ranks):
-            plan.bind.append((config.side_channel_host, base + rank, f"side channel of worker rank {rank}"))
+            plan.bind.append((config.bind_host(), base + rank, f"side channel of worker rank {rank}"))
     else:
         plan.notes.append("decode: listens on no side-channel port (decode_side_channel is false)")
+    plan.advertise.append((config.transfer_engine_host(), "TransferEngine (it listens on every interface)",
+                           "te_host"))
     from kv_mooncake.side_channel_auth import secret_preflight
 
     secret_preflight(plan, config.side_channel_secret_env, [b for b in plan.bind if "side channel" in b[2]])

@@ -5,12 +5,17 @@ whole pull (no reply at all until the pull's deadline: a frozen or dead process)
 pulls to it fail at once instead of each waiting out its own deadline. After a back-off (doubling,
 capped) one pull probes it again; any reply closes the breaker.
 
+``ReachabilityProbe`` tells at once an address where nothing can answer (connection refused, no
+route): ZeroMQ never reports those, it reconnects quietly until the pull's deadline.
+
 ``PeerQueues`` gives every prefill rank its own small thread pool, so pulls for a healthy prefill
 never queue behind pulls waiting on a silent one.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +73,56 @@ class PeerBreaker:
         with self._lock:
             p = self._peers.get(peer)
             return "closed" if p is None else p.state
+
+
+# What the kernel answers at once for an address where no side channel can answer: nothing listens
+# on the port, or no route leads to the host. A connect that merely takes long is a slow peer (a
+# loaded prefill, a slow link): not a verdict, the pull's own deadline decides.
+_UNREACHABLE = {
+    errno.ECONNREFUSED: "connection refused (nothing listens there)",
+    errno.EHOSTUNREACH: "no route to host",
+    errno.ENETUNREACH: "network unreachable",
+    errno.EADDRNOTAVAIL: "address not available",
+}
+
+
+class ReachabilityProbe:
+    """A TCP connect to a peer's side-channel address, bounded by ``timeout_s``; its verdict is kept
+    for ``ttl_s`` per address, so pulls to a healthy peer pay one connect every ``ttl_s``, not one
+    each, and a restarted peer is tried again soon after."""
+
+    def __init__(self, timeout_s: float = 0.5, ttl_s: float = 2.0, max_peers: int = 256,
+                 clock: Callable[[], float] = time.monotonic):
+        self._timeout_s, self._ttl_s, self._max_peers = timeout_s, ttl_s, max_peers
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._verdicts: dict[str, tuple[float, str | None]] = {}  # address -> (when, why unreachable)
+
+    def unreachable(self, address: str) -> str | None:
+        """Why nothing at ``address`` ('host:port') can answer, or None (it accepted, or was slow)."""
+        now = self._clock()
+        with self._lock:
+            cached = self._verdicts.get(address)
+        if cached is not None and now - cached[0] < self._ttl_s:
+            return cached[1]
+        why = self._connect(address)
+        with self._lock:
+            if len(self._verdicts) >= self._max_peers:
+                self._verdicts.clear()  # bounded: a verdict is cheap to learn again
+            self._verdicts[address] = (self._clock(), why)
+        return why
+
+    def _connect(self, address: str) -> str | None:
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=self._timeout_s):
+                return None
+        except socket.gaierror as exc:
+            return f"host {host!r} does not resolve ({exc.strerror or exc})"
+        except OSError as exc:
+            return _UNREACHABLE.get(exc.errno or 0)  # None: timed out or another error, not a verdict
+        except ValueError:
+            return f"{address!r} is not HOST:PORT"
 
 
 class PeerQueues:

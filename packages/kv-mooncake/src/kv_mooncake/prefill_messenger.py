@@ -21,8 +21,8 @@ from kv_mooncake import protocol as P
 from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.metadata import RemoteSource
-from kv_mooncake.peer_health import PeerBreaker
-from kv_mooncake.pull_errors import PeerDown, PullFailed
+from kv_mooncake.peer_health import PeerBreaker, ReachabilityProbe
+from kv_mooncake.pull_errors import PeerDown, PeerUnreachable, PullFailed
 from kv_mooncake.pull_plan import DecodeRank, PrefillLayout, PrefillRank, RankPull
 from kv_mooncake.side_channel_auth import auth_from_env
 
@@ -50,6 +50,8 @@ class PrefillMessenger:
         self._heartbeats: ThreadPoolExecutor | None = None
         self._heartbeats_queued: set[str] = set()
         self._breaker = PeerBreaker()  # prefill ranks presumed down fail fast
+        # Addresses where nothing can answer (refused, no route) fail at once: ZeroMQ would retry quietly.
+        self._reachability = ReachabilityProbe(timeout_s=min(0.5, config.handshake_timeout_s))
         # Kept-open connections to the prefill ranks: a new one per message cost ~5 ms per pull.
         self._client = side_channel.SideChannelClient(
             P.REPLY_TYPES, config.max_message_bytes, auth=auth_from_env(config.side_channel_secret_env))
@@ -63,6 +65,12 @@ class PrefillMessenger:
         """Before a pull: a rank presumed down fails it at once (after a back-off one pull probes)."""
         if not self._breaker.allow(address):
             raise PeerDown(f"{address} presumed down (silent for a whole pull); it is probed again later")
+        self._check_reachable(address)
+
+    def _check_reachable(self, address: str) -> None:
+        why = self._reachability.unreachable(address)
+        if why is not None:
+            raise PeerUnreachable(f"side channel {address} unreachable: {why}")
 
     def handshake(self, address: str, engine_id: str, deadline: float) -> P.HandshakeReply:
         key = (address, engine_id)
@@ -138,6 +146,7 @@ class PrefillMessenger:
                 if deadline - time.monotonic() <= 0:
                     self._breaker.silent(address)
                     raise
+                self._check_reachable(address)  # gone meanwhile (refused): no use waiting
                 continue
             self._breaker.answered(address)
             if not (isinstance(reply, P.Refused) and reply.retry):
@@ -184,9 +193,11 @@ class PrefillMessenger:
         """Deliver a DONE / FreeNow, retrying for up to ``lease_s``: a busy prefill (its side channel
         thread starved on a loaded host) must not keep the blocks until expiry because one answer
         came late. DONE and FreeNow are idempotent on the prefill, so a repeat is harmless. A peer
-        presumed down (``PeerBreaker``) gets one short try per message."""
+        presumed down (``PeerBreaker``) or where nothing can answer (refused, no route) gets one short
+        try per message."""
         now = time.monotonic()
-        presumed_dead = self._breaker.state(address) != "closed"
+        presumed_dead = self._breaker.state(address) != "closed" or \
+            self._reachability.unreachable(address) is not None
         give_up = now + (0.0 if presumed_dead else self.config.lease_s)
         timeout = 0.2 if presumed_dead else min(1.0, self.config.handshake_timeout_s)
         while True:

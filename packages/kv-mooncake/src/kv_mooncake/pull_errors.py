@@ -9,3 +9,7 @@ class PullFailed(RuntimeError):
 
 class PeerDown(PullFailed):
     """The prefill rank is presumed down: failed without waiting for it."""
+
+
+class PeerUnreachable(PeerDown):
+    """Nothing at the prefill rank's address can answer (connection refused, no route): failed at once."""

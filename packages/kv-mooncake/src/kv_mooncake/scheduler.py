@@ -59,6 +59,8 @@ class MooncakeScheduler:
         self.block_size = block_size
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.side_channel_port = side_channel_port
+        # What the decode is told to reach this prefill at: asked once (vLLM's helper may look up routes).
+        self.advertised_host = config.advertised_host() if is_producer else ""
         self.tp_size, self.pcp_size, self.dcp_size = tp_size, pcp_size, dcp_size
         # decode: requests with do_remote_prefill, parsed once (vLLM asks again every step until one fits)
         self._incoming: dict[str, _Incoming] = {}
@@ -186,7 +188,7 @@ class MooncakeScheduler:
         return True, TransferParams(
             do_remote_prefill=True,
             engine_id=self.engine_id,
-            host=self.config.side_channel_host,
+            host=self.advertised_host,
             port=self.side_channel_port,
             block_ids=groups[0],
             request_id=request.request_id,

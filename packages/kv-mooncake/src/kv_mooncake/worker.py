@@ -122,7 +122,7 @@ class MooncakeWorker:
             from kv_mooncake.transfer_engine import MooncakeTransferEngine
 
             self.te = MooncakeTransferEngine(
-                self.config.te_host or self.config.side_channel_host,
+                self.config.transfer_engine_host(),
                 self.config.protocol,
                 self.config.device_name,
                 self.config.max_inflight_transfers,
@@ -137,12 +137,13 @@ class MooncakeWorker:
             else:
                 port = self.side_channel_port + self.decode_rank.index(self.decode_layout)
             self.server = side_channel.SideChannelServer(
-                self.config.side_channel_host, port, self.handle, P.REQUEST_TYPES,
+                self.config.bind_host(), port, self.handle, P.REQUEST_TYPES,
                 self.config.max_message_bytes, name=f"mooncake-side-channel:{port}",
                 auth=auth_from_env(self.config.side_channel_secret_env), trusted_only=(P.LeakQuery,),
             ).start()
-            logger.info("MooncakeConnectorV1 %s rank: side channel %s, TE %s",
-                        "prefill" if self.is_producer else "decode", self.server.address, self.te.rpc_address)
+            logger.info("MooncakeConnectorV1 %s rank: side channel listens on %s, peers are told %s; TE %s",
+                        "prefill" if self.is_producer else "decode", self.server.address,
+                        self.config.advertised_host(), self.te.rpc_address)
         if self.is_consumer:
             self.puller.start_threads()
 

@@ -7,7 +7,8 @@
               "write_through": true, "spill_capacity_bytes": null},
  "mooncake": {"config_path": null,            // or MOONCAKE_CONFIG_PATH: Mooncake's own JSON
               "master_server_address": "127.0.0.1:50051", "metadata_server": "P2PHANDSHAKE",
-              "protocol": "tcp", "local_hostname": "127.0.0.1", "device_name": "",
+              "protocol": "tcp", "device_name": "",
+              "local_hostname": null,         // null: this machine's address as vLLM finds it
               "global_segment_size": "512mb", "local_buffer_size": "128mb",
               "mount_segment": true,          // false: a pure client (a standalone mooncake_client
                                               // holds the pool, which then outlives instances)
@@ -28,6 +29,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+from kv_common import vllm_compat
 from kv_common.config import ConfigKeyError, ConnectorConfig, parse_extra_config
 
 # --- the generic keys of every store-backed connector (kv-ucm's UCMConfig subclasses this) ---
@@ -231,6 +233,10 @@ def _preflight(config: StoreConfig) -> Any:
         except (ValueError, OSError) as exc:
             plan.problems.append(str(exc))
         else:
+            local = str(options["local_hostname"])
+            local = local.partition(":")[0] if local.count(":") == 1 else local  # Mooncake takes HOST:PORT too
+            plan.advertise.append((local, "Mooncake Store client (its TransferEngine listens on every interface)",
+                                   "mooncake.local_hostname"))
             host, _, port = str(options["master_server_address"]).rpartition(":")
             if port.isdigit():
                 plan.connect.append((host.strip("[]"), int(port), "Mooncake master"))
@@ -290,7 +296,6 @@ def _size_or_none(value: int | str) -> int | None:
 _DEFAULTS: dict[str, Any] = {
     "metadata_server": "P2PHANDSHAKE",
     "protocol": "tcp",
-    "local_hostname": "127.0.0.1",
     "device_name": "",
     "global_segment_size": 512 << 20,
     "local_buffer_size": 128 << 20,
@@ -316,6 +321,9 @@ def resolve_mooncake(options: MooncakeOptions, environ: dict[str, str] | None = 
         value = getattr(options, key)
         if value is not None:
             merged[key] = value
+    if not merged.get("local_hostname"):
+        # What this client tells the master and the other clients: 127.0.0.1 reaches no other machine.
+        merged["local_hostname"] = vllm_compat.host_ip()
     if not merged.get("master_server_address"):
         raise ValueError(
             "mooncake backend: no master address (set mooncake.master_server_address, "

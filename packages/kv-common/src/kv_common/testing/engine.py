@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kv_common.testing.ports import LOOPBACK_HOST_ENV
 from kv_common.testing.probe import PROBE_ENV, uses_probe
 
 Prompt = Sequence[int]
@@ -150,6 +151,7 @@ class EngineProcess:
                 "VLLM_CPU_OMP_THREADS_BIND": cpu_bind,
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
                 "PYTHONPATH": _child_pythonpath(),
+                **LOOPBACK_HOST_ENV,  # peers reach it at 127.0.0.1 unless ``env`` says otherwise
             }
         )
         # Workers get time to run their connector's shutdown() before vLLM SIGTERMs them.
