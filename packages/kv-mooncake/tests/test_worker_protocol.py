@@ -224,3 +224,41 @@ def test_decode_request_aborted_before_scheduling_still_frees_the_prefill(prefil
         assert sched.build_step().frees == []  # told once
     finally:
         decode.close()
+
+
+def test_first_readers_done_does_not_free_under_a_second_readers_lease(prefill):
+    """Issue 23 §4: a proxy retried the decode (or the client re-sent the request): two decodes read
+    one hold that expects one reader. The first DONE must not free the blocks the second still reads."""
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[0, 1])]))
+    for reader in ("first", "retry"):
+        started = prefill.handle(P.PullStarted(request_id="r", reader_id=reader, expected_readers=1, block_ids=[0, 1]))
+        assert isinstance(started, P.Ack)
+    first = prefill.handle(P.PullDone(request_id="r", reader_id="first", ok=True))
+    assert _finished(prefill) == set(), "freed under the second reader's current lease"
+    retry = prefill.handle(P.PullDone(request_id="r", reader_id="retry", ok=True))
+    assert _finished(prefill) == {"r"}
+    assert isinstance(first, P.PullDoneReply) and first.held_throughout
+    assert isinstance(retry, P.PullDoneReply) and retry.held_throughout
+
+
+def test_pull_done_reply_says_whether_the_hold_survived_the_read(prefill):
+    """The reader's lease lapsed and the hold expired under the read (a starved decode, or one whose
+    lease_s is longer than this prefill's): the DONE's reply must say so, the decode then reports the
+    blocks it read as load errors. A read under a lease that held says so too."""
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="lapsed", num_blocks=1, block_ids=[0])]))
+    assert isinstance(prefill.handle(P.PullStarted(request_id="lapsed", reader_id="a", expected_readers=1,
+                                                   block_ids=[0])), P.Ack)
+    time.sleep(0.7)  # past the lease (0.3 s) and the hold (0.5 s)
+    assert _finished(prefill) == {"lapsed"}
+    reply = prefill.handle(P.PullDone(request_id="lapsed", reader_id="a", ok=True))
+    assert isinstance(reply, P.PullDoneReply) and not reply.held_throughout
+
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="kept", num_blocks=1, block_ids=[0])]))
+    assert isinstance(prefill.handle(P.PullStarted(request_id="kept", reader_id="a", expected_readers=1,
+                                                   block_ids=[0])), P.Ack)
+    reply = prefill.handle(P.PullDone(request_id="kept", reader_id="a", ok=True))
+    assert isinstance(reply, P.PullDoneReply) and reply.held_throughout
+    # A DONE from a reader that never took a lease vouches for nothing.
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="never", num_blocks=1, block_ids=[0])]))
+    reply = prefill.handle(P.PullDone(request_id="never", reader_id="b", ok=False))
+    assert isinstance(reply, P.PullDoneReply) and not reply.held_throughout
