@@ -179,12 +179,15 @@ def test_same_tokens_and_same_identity_are_pulled(variant):
 def test_the_digest_covers_what_vllms_block_hashes_cover():
     """Wherever vLLM's own block hashes tell two requests apart, so does the digest (and it also
     covers the partial last block, which vLLM does not hash)."""
+    from kv_mooncake.prompt_identity import request_digest
+
     base = _vllm_request("x", PROMPT_C, {})
+    assert request_digest(_vllm_request("z", PROMPT_C, {})) == request_digest(base)
     for variant, (spec, _) in VARIANTS.items():
         other = _vllm_request("y", PROMPT_C, {}, **_identity(spec))
         if variant != "image in the tail":
             assert other.block_hashes != base.block_hashes, variant
-        assert _prefill_params_for(other)["prompt_digest"] != _prefill_params_for(base)["prompt_digest"], variant
+        assert request_digest(other) != request_digest(base), variant
 
 
 def test_the_prefill_refuses_a_reader_of_another_prompt():

@@ -37,7 +37,8 @@ def test_freed_once_after_all_expected_dones(prefill):
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=3, block_ids=list(range(3)))]))
     assert prefill.leak_report()["held_blocks"] == 3
     assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=2, block_ids=[0])), P.Ack)
-    assert isinstance(prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2)), P.Ack)
+    assert isinstance(prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2)),
+                      P.PullDoneReply)
     assert _finished(prefill) == set()  # one of two readers
     prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2))  # repeated: counts once
     assert _finished(prefill) == set()
@@ -81,7 +82,7 @@ def test_lease_keeps_blocks_past_the_hold(prefill):
 
 def _compat(**changes) -> P.Compatibility:
     base = dict(model="m", dtype="float32", block_size=16, head_size=8, num_layers=2, total_kv_heads=4, use_mla=False,
-                layout="raw:[blocks,heads,bytes]", kernel_block_size=16)
+                layout="raw:[blocks,heads,bytes]", kernel_block_size=16, protocol_version=P.PROTOCOL_VERSION)
     base.update(changes)
     return P.Compatibility(**base)
 
