@@ -263,3 +263,34 @@ def test_pull_done_reply_says_whether_the_hold_survived_the_read(prefill):
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="never", num_blocks=1, block_ids=[0])]))
     reply = prefill.handle(P.PullDone(request_id="never", reader_id="b", ok=False))
     assert isinstance(reply, P.PullDoneReply) and not reply.held_throughout
+
+
+def test_the_decodes_handshake_cache_is_bounded(monkeypatch):
+    """Issue 23 §8: one cached handshake per (prefill rank, engine id) ever seen, never dropped, is
+    state that only grows. The cache keeps the most recently used ones."""
+    from kv_mooncake import prefill_messenger
+
+    monkeypatch.setattr(prefill_messenger, "HANDSHAKE_CACHE_SIZE", 2)
+    cfg = MooncakeConfig()
+    prefills = []
+    for _ in range(3):
+        w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=free_port(),
+                           total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+        w.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
+        prefills.append(w)
+    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=False, side_channel_port=1,
+                            total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    decode.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
+    messenger = decode.puller.messenger
+    try:
+        deadline = time.monotonic() + 10
+        first = messenger.handshake(prefills[0].server.address, "P", deadline)
+        messenger.handshake(prefills[1].server.address, "P", deadline)
+        assert messenger.handshake(prefills[0].server.address, "P", deadline) is first  # cached, now most recent
+        messenger.handshake(prefills[2].server.address, "P", deadline)  # drops prefill 1's, the least recent
+        assert messenger.cached_handshakes() == 2
+        assert messenger.handshake(prefills[0].server.address, "P", deadline) is first
+    finally:
+        decode.close()
+        for w in prefills:
+            w.close()
