@@ -259,6 +259,9 @@ def test_pull_done_reply_says_whether_the_hold_survived_the_read(prefill):
                                                    block_ids=[0])), P.Ack)
     reply = prefill.handle(P.PullDone(request_id="kept", reader_id="a", ok=True))
     assert isinstance(reply, P.PullDoneReply) and reply.held_throughout
+    assert _finished(prefill) == {"kept"}
+    # The same DONE again (its first answer came too late for the decode): the same answer.
+    assert prefill.handle(P.PullDone(request_id="kept", reader_id="a", ok=True)).held_throughout
     # A DONE from a reader that never took a lease vouches for nothing.
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="never", num_blocks=1, block_ids=[0])]))
     reply = prefill.handle(P.PullDone(request_id="never", reader_id="b", ok=False))

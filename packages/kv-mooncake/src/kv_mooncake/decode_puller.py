@@ -6,8 +6,9 @@ and reads from every prefill rank in parallel, each rank on its own queue behind
 what a rank's read brought counts only once that rank's answer to the DONE says the lease held
 throughout (else the blocks may have been freed and reused under the read). The blocks not read
 become load errors so vLLM's ``kv_load_failure_policy`` decides, and the request is reported
-finished either way, before the DONE / FreeNow still owed to the other prefill ranks goes out. With ``verify_kv`` each read batch is checked against the prefill's per-head digests. What is
-said to the prefill ranks (handshakes, leases, DONE / FreeNow, keep-alives) is ``prefill_messenger``'s.
+finished either way, before the DONE / FreeNow still owed to the other prefill ranks goes out.
+With ``verify_kv`` each read batch is checked against the prefill's per-head digests. What is said
+to the prefill ranks (handshakes, leases, DONE / FreeNow, keep-alives) is ``prefill_messenger``'s.
 """
 
 from __future__ import annotations

@@ -58,6 +58,9 @@ class PrefillHolder:
         self._freed: set[str] = set()  # freed since the last ``take_freed`` (vLLM's finished_sending)
         self._recently_freed: OrderedDict[str, str] = OrderedDict()  # request -> why it was freed
         self._overtaken: OrderedDict[str, _Overtaken] = OrderedDict()
+        # request -> readers whose DONE found their lease intact: a repeated DONE (its first answer
+        # came too late) gets the same answer, also after that DONE freed the blocks.
+        self._confirmed: OrderedDict[str, set[str]] = OrderedDict()
         self.tracker = DelayedFreeTracker(self._on_free)
         # Set when the KV cache is registered: until then a handshake is refused (retry).
         self.cache: LocalCache | None = None
@@ -75,6 +78,7 @@ class PrefillHolder:
         blocks = HeldBlocks(num_blocks, frozenset(block_ids or ()), self._digests(block_ids or ()), prompt_digest)
         with self._lock:  # atomic with the overtaken check: a message now finds the hold or is kept for it
             overtaken = self._overtaken.pop(request_id, None) or _Overtaken()
+            self._confirmed.pop(request_id, None)  # a new hold: no read of it is confirmed yet
             self.tracker.hold(request_id, max(1, overtaken.expected_readers),
                               ttl_s or self.config.hold_timeout_s, blocks)
             if overtaken.readers_done:  # their count of readers is the one announced
@@ -158,10 +162,7 @@ class PrefillHolder:
                     overtaken.readers_done.add(message.reader_id)
                     overtaken.expected_readers = max(overtaken.expected_readers, message.expected_readers)
             end = self.tracker.end_read(message.request_id, message.reader_id) if held else None
-            if end is not None and message.ok and not end.held_throughout:
-                logger.warning("MooncakeConnectorV1: reader %s of request %s read without a current lease "
-                               "(lapsed, or never taken): its read is void", message.reader_id, message.request_id)
-            return P.PullDoneReply(held_throughout=end is not None and end.held_throughout)
+            return P.PullDoneReply(held_throughout=self._confirm(message, end is not None and end.held_throughout))
         if isinstance(message, P.FreeNow):
             with self._lock:
                 held = message.request_id in self.tracker
@@ -190,6 +191,23 @@ class PrefillHolder:
             self.stats.incr("rejected_reads")
             return P.Refused(reason=f"request {message.request_id}: {what} not held for this request")
         return None
+
+    def _confirm(self, message: P.PullDone, held_throughout: bool) -> bool:
+        """Whether ``message``'s reader read under a lease that held to its DONE (this one, or the
+        same DONE sent before)."""
+        with self._lock:
+            readers = self._confirmed.get(message.request_id)
+            if held_throughout:
+                if readers is None:
+                    readers = self._confirmed[message.request_id] = set()
+                    while len(self._confirmed) > _RECENT:
+                        self._confirmed.popitem(last=False)
+                readers.add(message.reader_id)
+            confirmed = readers is not None and message.reader_id in readers
+        if message.ok and not confirmed:
+            logger.warning("MooncakeConnectorV1: reader %s of request %s read without a current lease "
+                           "(lapsed, or never taken): its read is void", message.reader_id, message.request_id)
+        return confirmed
 
     def _check_prompt(self, message: P.PullStarted) -> P.Refused | None:
         """A reader reads only the prompt the blocks were computed for (kv_transfer_params can be
