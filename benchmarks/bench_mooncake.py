@@ -176,17 +176,16 @@ def measure(block_bytes: int, total_bytes: int, reps: int, verify_kv: bool = Fal
     conn = _public_connector(decode)
     done_events: dict[str, threading.Event] = {}
     done_at: dict[str, float] = {}
-    send_done = decode.puller.messenger._send_done
+    confirm_read = decode.puller.messenger.confirm_read
 
-    def timed_send_done(owed):  # the PullDone the prefill acknowledged ends the connector's timer
-        send_done(owed)
-        for _addr, msg in owed:
-            rid = getattr(msg, "request_id", "")
-            done_at[rid] = time.perf_counter()
-            if rid in done_events:
-                done_events[rid].set()
+    def timed_confirm_read(address, done, deadline):  # the PullDone the prefill answered ends the timer
+        held = confirm_read(address, done, deadline)
+        done_at[done.request_id] = time.perf_counter()
+        if done.request_id in done_events:
+            done_events[done.request_id].set()
+        return held
 
-    decode.puller.messenger._send_done = timed_send_done
+    decode.puller.messenger.confirm_read = timed_confirm_read
     out = Measured()
     try:
         caches = _kv_caches(block_bytes, num_blocks, pattern=False)
@@ -433,7 +432,8 @@ def run(quick: bool) -> Section:
         plots=[_plot(rows, small_rows)] if rows else [],
         notes=notes + [
             f"get_finished is polled every {POLL_S * 1e3:.1f} ms (vLLM polls once per engine step); "
-            "the PullDone is sent on the connector's notifier thread after the request is reported",
+            "the PullDone goes out with the read, before the request is reported: its answer says whether "
+            "the prefill's hold lasted the whole read (only then is what was read the request's)",
             "the ratio of the connector against transfer_engine_bench is not paired (the C++ benchmark runs "
             "alone, contiguous blocks, all cores)",
         ],

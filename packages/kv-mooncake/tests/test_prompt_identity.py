@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.metadata import MooncakeStep
 from kv_mooncake.scheduler import MooncakeScheduler
 
 BLOCK = 16
@@ -90,3 +92,126 @@ def test_mismatch_is_decided_once_even_if_asked_again():
     sched.update_state_after_alloc(req, FakeBlocks([1, 2, 3]), 0)
     step = sched.build_step()
     assert len(step.frees) == 1 and sched.stats.to_dict()["counters"]["prompt_mismatches"] == 1
+
+
+# ---- issue 23 §7: the same tokens with another image, LoRA adapter or cache_salt -----------------
+def _vllm_request(request_id: str, prompt: list[int], params: dict, **identity):
+    """A real vLLM Request (as the scheduler sees it), with vLLM's own block hasher."""
+    vllm_request = pytest.importorskip("vllm.v1.request")
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    request = vllm_request.Request(request_id, list(prompt), SamplingParams(max_tokens=1), None,
+                                   block_hasher=get_request_block_hasher(BLOCK, sha256), **identity)
+    request.kv_transfer_params = dict(params)
+    request.status = vllm_request.RequestStatus.FINISHED_LENGTH_CAPPED
+    return request
+
+
+def _image(identifier: str, offset: int, length: int):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+def _lora(name: str, path: str):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=1, lora_path=path)
+
+
+PROMPT_C = list(range(300, 340))  # 40 tokens: two full blocks of 16 and a tail of 8
+VARIANTS = {  # identity of the prefill's request -> of the decode's (same tokens)
+    "salt": ({"cache_salt": "alice"}, {"cache_salt": "bob"}),
+    "salt vs none": ({"cache_salt": "alice"}, {}),
+    "lora": ("lora-a", "lora-b"),
+    "image": ("img-a", "img-b"),
+    "image in the tail": ("tail-a", "tail-b"),  # vLLM hashes full blocks only: no block hash covers it
+}
+
+
+def _identity(spec):
+    if isinstance(spec, dict):
+        return spec
+    kind, name = spec.split("-")
+    if kind == "lora":
+        return {"lora_request": _lora(name, f"/adapters/{name}")}
+    if kind == "img":
+        return {"mm_features": [_image(f"image-{name}", 4, 8)]}
+    return {"mm_features": [_image(f"image-{name}", 34, 4)]}
+
+
+def _prefill_params_for(request) -> dict:
+    delay, params = _scheduler(producer=True).request_finished(request, [[7, 8, 9]])
+    assert delay and params is not None
+    return params
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_same_tokens_with_another_image_lora_or_salt_pull_nothing(variant):
+    """The prefill computed the prompt with one image / adapter / cache_salt, the decode's request
+    has the same token ids with another: its KV is not this request's, nothing may be pulled."""
+    prefill_side, decode_side = (_identity(spec) for spec in VARIANTS[variant])
+    params = _prefill_params_for(_vllm_request("p-req", PROMPT_C, {"do_remote_decode": True}, **prefill_side))
+    decode = _vllm_request("d-req", PROMPT_C, params, **decode_side)
+    sched = _scheduler(producer=False)
+    assert sched.get_num_new_matched_tokens(decode, 0) == (0, False), f"{variant}: pulled another prompt's KV"
+    sched.update_state_after_alloc(decode, FakeBlocks([1, 2, 3]), 0)
+    step = sched.build_step()
+    assert not step.pulls and [s.request_id for s in step.frees] == ["p-req"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_same_tokens_and_same_identity_are_pulled(variant):
+    identity = _identity(VARIANTS[variant][0])
+    params = _prefill_params_for(_vllm_request("p-req", PROMPT_C, {"do_remote_decode": True}, **identity))
+    decode = _vllm_request("d-req", PROMPT_C, params, **_identity(VARIANTS[variant][0]))
+    sched = _scheduler(producer=False)
+    assert sched.get_num_new_matched_tokens(decode, 0) == (len(PROMPT_C), True)
+    sched.update_state_after_alloc(decode, FakeBlocks([1, 2, 3]), len(PROMPT_C))
+    (pull,) = sched.build_step().pulls
+    assert pull.prompt_digest == params["prompt_digest"]  # what the reader sends with PullStarted
+
+
+def test_the_digest_covers_what_vllms_block_hashes_cover():
+    """Wherever vLLM's own block hashes tell two requests apart, so does the digest (and it also
+    covers the partial last block, which vLLM does not hash)."""
+    from kv_mooncake.prompt_identity import request_digest
+
+    base = _vllm_request("x", PROMPT_C, {})
+    assert request_digest(_vllm_request("z", PROMPT_C, {})) == request_digest(base)
+    for variant, (spec, _) in VARIANTS.items():
+        other = _vllm_request("y", PROMPT_C, {}, **_identity(spec))
+        if variant != "image in the tail":
+            assert other.block_hashes != base.block_hashes, variant
+        assert request_digest(other) != request_digest(base), variant
+
+
+def test_the_prefill_refuses_a_reader_of_another_prompt():
+    """kv_transfer_params are the client's to forge: one that names another user's held request with
+    its own prompt's digest passes the decode's check. The prefill compares the reader's digest with
+    the one it computed: the pull is refused (fails alone, the decode recomputes)."""
+    from conftest import FakeTransferEngine
+    from kv_mooncake import protocol as P
+    from kv_mooncake.metadata import HoldRequest
+    from kv_mooncake.prompt_identity import prompt_digest
+    from kv_mooncake.worker import LocalCache, MooncakeWorker
+
+    w = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=True, is_consumer=False, side_channel_port=1,
+                       total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    w.register_cache(LocalCache(["l0"], [4096], [1024], 4, 4), {"block_size": 16, "head_size": 8, "num_layers": 1},
+                     "float32")
+    held, other = prompt_digest(PROMPT_A), prompt_digest(PROMPT_B)
+    w.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0], prompt_digest=held)]))
+    for reader_digest in (other, ""):
+        reply = w.handle(P.PullStarted(request_id="r", reader_id=f"x{reader_digest}", expected_readers=1,
+                                       block_ids=[0], prompt_digest=reader_digest))
+        assert isinstance(reply, P.Refused) and not reply.retry and "prompt" in reply.reason
+        assert held not in reply.reason  # the held prompt's digest is not handed to a stranger
+    assert w.leak_report()["active_reads"] == 0
+    ok = w.handle(P.PullStarted(request_id="r", reader_id="d", expected_readers=1, block_ids=[0], prompt_digest=held))
+    assert isinstance(ok, P.Ack)
+    w.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import Any
 
 import pytest
 
@@ -23,15 +24,18 @@ NUM_BLOCKS, BLOCK_BYTES, HEADS = 64, 4096, 4
 
 
 class Instance:
-    """A worker over two numpy 'layers' registered with a real TransferEngine."""
+    """A worker over two numpy 'layers' registered with a real TransferEngine (its own, or
+    ``engine``: a restarted prefill on the same TE address)."""
 
-    def __init__(self, cfg: MooncakeConfig, *, producer: bool, seed: int):
+    def __init__(self, cfg: MooncakeConfig, *, producer: bool, seed: int, port: int | None = None,
+                 engine: Any = None, num_blocks: int = NUM_BLOCKS):
         rng = np.random.default_rng(seed)
-        self.layers = [rng.integers(0, 256, NUM_BLOCKS * BLOCK_BYTES, dtype=np.uint8) for _ in range(2)]
+        self.layers = [rng.integers(0, 256, num_blocks * BLOCK_BYTES, dtype=np.uint8) for _ in range(2)]
         self.worker = MooncakeWorker(cfg, engine_id="P" if producer else "D", is_producer=producer,
-                                     is_consumer=not producer, side_channel_port=free_port(), total_kv_heads=HEADS,
-                                     compatibility_base={"model": "m"})
-        cache = LocalCache(["l0", "l1"], [a.ctypes.data for a in self.layers], [BLOCK_BYTES] * 2, NUM_BLOCKS, HEADS)
+                                     is_consumer=not producer, side_channel_port=port or free_port(),
+                                     total_kv_heads=HEADS, compatibility_base={"model": "m"},
+                                     engine_factory=None if engine is None else lambda: engine)
+        cache = LocalCache(["l0", "l1"], [a.ctypes.data for a in self.layers], [BLOCK_BYTES] * 2, num_blocks, HEADS)
         self.worker.register_cache(cache, SHAPE, "float32")
 
     def block(self, layer: int, block: int) -> bytes:
@@ -160,3 +164,87 @@ def test_verify_kv_on_the_decode_only_fails_closed():
     finally:
         decode.worker.close()
         prefill.worker.close()
+
+
+def _wait_pulled(decode: Instance, request_id: str, prefill: Instance | None = None) -> tuple[set[int], set[str]]:
+    """Load errors of ``request_id``'s pull, and what ``prefill`` freed meanwhile (its engine steps go on)."""
+    deadline = time.monotonic() + 20
+    freed: set[str] = set()
+    while time.monotonic() < deadline:
+        if prefill is not None:
+            freed |= prefill.worker.get_finished()[0] or set()
+        if request_id in (decode.worker.get_finished()[1] or ()):
+            break
+        time.sleep(0.01)
+    return decode.worker.ledger.take_block_ids_with_load_errors(), freed
+
+
+def test_a_read_whose_hold_lapsed_under_it_is_a_load_error():
+    """Issue 23 §4: the prefill's lease (0.3 s) lapses and its hold (0.2 s) expires while the read
+    waits (here a test-only delay; a starved decode, or a decode configured with a longer lease_s,
+    does the same). The prefill frees and may reuse the blocks; the decode, within a third of its own
+    lease since the last renewal, asked nothing. PullDone's reply says the hold did not survive: every
+    block read under it is a load error."""
+    prefill = Instance(MooncakeConfig(hold_timeout_s=0.2, lease_s=0.3), producer=True, seed=9)
+    decode = Instance(MooncakeConfig(pull_timeout_s=10.0, lease_s=30.0, debug_pull_chunk_delay_s=0.8),
+                      producer=False, seed=10)
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[5, 6])]))
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, [5, 6], [7, 8])]))
+        errors, freed = _wait_pulled(decode, "r", prefill)
+        assert freed == {"r"}, "the prefill did not free under the read (the test did not test anything)"
+        assert errors == {7, 8}, "blocks read after the prefill freed them were counted as loaded"
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+class KeptEngine:
+    """A real TransferEngine that outlives one prefill worker: the prefill restarts on the same TE
+    address (a pinned port), and the first boot's memory stays readable, as reused memory would."""
+
+    def __init__(self) -> None:
+        from kv_mooncake.transfer_engine import MooncakeTransferEngine
+
+        self.engine = MooncakeTransferEngine()
+        self.rpc_address = self.engine.rpc_address
+
+    def register(self, regions):
+        self.engine.register(regions)
+
+    def read_batches(self, *args, **kwargs):
+        return self.engine.read_batches(*args, **kwargs)
+
+    def close(self) -> None:  # the worker's close: the engine lives on for the next boot
+        pass
+
+
+def test_a_prefill_restarted_with_another_layout_is_handshaken_again():
+    """Issue 23 §8: the prefill restarts with the same engine_id, side-channel port and TE address,
+    and another KV layout (other tensors, other block count). The decode must not read it with the
+    handshake it cached from the first boot (the old base addresses: other bytes)."""
+    cfg = MooncakeConfig(pull_timeout_s=10.0)
+    engine = KeptEngine()
+    port = free_port()
+    decode = Instance(cfg, producer=False, seed=12)
+    first = Instance(cfg, producer=True, seed=13, port=port, engine=engine)
+    second = None
+    try:
+        first.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="a", num_blocks=1, block_ids=[3])]))
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("a", port, [3], [10])]))
+        errors, _ = _wait_pulled(decode, "a")
+        assert errors == set() and decode.block(0, 10) == first.block(0, 3)
+        first.worker.close()  # restart: same engine id, port and TE, another layout
+        second = Instance(cfg, producer=True, seed=14, port=port, engine=engine, num_blocks=NUM_BLOCKS // 2)
+        second.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="b", num_blocks=1, block_ids=[3])]))
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("b", port, [3], [11])]))
+        errors, _ = _wait_pulled(decode, "b")
+        assert errors == set()
+        for layer in range(2):
+            assert decode.block(layer, 11) == second.block(layer, 3), "read with the first boot's layout"
+    finally:
+        decode.worker.close()
+        first.worker.close()
+        if second is not None:
+            second.worker.close()
+        engine.engine.close()

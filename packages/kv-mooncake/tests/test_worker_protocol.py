@@ -37,7 +37,8 @@ def test_freed_once_after_all_expected_dones(prefill):
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=3, block_ids=list(range(3)))]))
     assert prefill.leak_report()["held_blocks"] == 3
     assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=2, block_ids=[0])), P.Ack)
-    assert isinstance(prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2)), P.Ack)
+    assert isinstance(prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2)),
+                      P.PullDoneReply)
     assert _finished(prefill) == set()  # one of two readers
     prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True, expected_readers=2))  # repeated: counts once
     assert _finished(prefill) == set()
@@ -81,7 +82,7 @@ def test_lease_keeps_blocks_past_the_hold(prefill):
 
 def _compat(**changes) -> P.Compatibility:
     base = dict(model="m", dtype="float32", block_size=16, head_size=8, num_layers=2, total_kv_heads=4, use_mla=False,
-                layout="raw:[blocks,heads,bytes]", kernel_block_size=16)
+                layout="raw:[blocks,heads,bytes]", kernel_block_size=16, protocol_version=P.PROTOCOL_VERSION)
     base.update(changes)
     return P.Compatibility(**base)
 
@@ -224,3 +225,75 @@ def test_decode_request_aborted_before_scheduling_still_frees_the_prefill(prefil
         assert sched.build_step().frees == []  # told once
     finally:
         decode.close()
+
+
+def test_first_readers_done_does_not_free_under_a_second_readers_lease(prefill):
+    """Issue 23 §4: a proxy retried the decode (or the client re-sent the request): two decodes read
+    one hold that expects one reader. The first DONE must not free the blocks the second still reads."""
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[0, 1])]))
+    for reader in ("first", "retry"):
+        started = prefill.handle(P.PullStarted(request_id="r", reader_id=reader, expected_readers=1, block_ids=[0, 1]))
+        assert isinstance(started, P.Ack)
+    first = prefill.handle(P.PullDone(request_id="r", reader_id="first", ok=True))
+    assert _finished(prefill) == set(), "freed under the second reader's current lease"
+    retry = prefill.handle(P.PullDone(request_id="r", reader_id="retry", ok=True))
+    assert _finished(prefill) == {"r"}
+    assert isinstance(first, P.PullDoneReply) and first.held_throughout
+    assert isinstance(retry, P.PullDoneReply) and retry.held_throughout
+
+
+def test_pull_done_reply_says_whether_the_hold_survived_the_read(prefill):
+    """The reader's lease lapsed and the hold expired under the read (a starved decode, or one whose
+    lease_s is longer than this prefill's): the DONE's reply must say so, the decode then reports the
+    blocks it read as load errors. A read under a lease that held says so too."""
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="lapsed", num_blocks=1, block_ids=[0])]))
+    assert isinstance(prefill.handle(P.PullStarted(request_id="lapsed", reader_id="a", expected_readers=1,
+                                                   block_ids=[0])), P.Ack)
+    time.sleep(0.7)  # past the lease (0.3 s) and the hold (0.5 s)
+    assert _finished(prefill) == {"lapsed"}
+    reply = prefill.handle(P.PullDone(request_id="lapsed", reader_id="a", ok=True))
+    assert isinstance(reply, P.PullDoneReply) and not reply.held_throughout
+
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="kept", num_blocks=1, block_ids=[0])]))
+    assert isinstance(prefill.handle(P.PullStarted(request_id="kept", reader_id="a", expected_readers=1,
+                                                   block_ids=[0])), P.Ack)
+    reply = prefill.handle(P.PullDone(request_id="kept", reader_id="a", ok=True))
+    assert isinstance(reply, P.PullDoneReply) and reply.held_throughout
+    assert _finished(prefill) == {"kept"}
+    # The same DONE again (its first answer came too late for the decode): the same answer.
+    assert prefill.handle(P.PullDone(request_id="kept", reader_id="a", ok=True)).held_throughout
+    # A DONE from a reader that never took a lease vouches for nothing.
+    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="never", num_blocks=1, block_ids=[0])]))
+    reply = prefill.handle(P.PullDone(request_id="never", reader_id="b", ok=False))
+    assert isinstance(reply, P.PullDoneReply) and not reply.held_throughout
+
+
+def test_the_decodes_handshake_cache_is_bounded(monkeypatch):
+    """Issue 23 §8: one cached handshake per (prefill rank, engine id) ever seen, never dropped, is
+    state that only grows. The cache keeps the most recently used ones."""
+    from kv_mooncake import prefill_messenger
+
+    monkeypatch.setattr(prefill_messenger, "HANDSHAKE_CACHE_SIZE", 2)
+    cfg = MooncakeConfig()
+    prefills = []
+    for _ in range(3):
+        w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=free_port(),
+                           total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+        w.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
+        prefills.append(w)
+    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=False, side_channel_port=1,
+                            total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    decode.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
+    messenger = decode.puller.messenger
+    try:
+        deadline = time.monotonic() + 10
+        first = messenger.handshake(prefills[0].server.address, "P", deadline)
+        messenger.handshake(prefills[1].server.address, "P", deadline)
+        assert messenger.handshake(prefills[0].server.address, "P", deadline) is first  # cached, now most recent
+        messenger.handshake(prefills[2].server.address, "P", deadline)  # drops prefill 1's, the least recent
+        assert messenger.cached_handshakes() == 2
+        assert messenger.handshake(prefills[0].server.address, "P", deadline) is first
+    finally:
+        decode.close()
+        for w in prefills:
+            w.close()

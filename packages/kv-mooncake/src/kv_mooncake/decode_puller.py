@@ -3,10 +3,12 @@
 A decode rank plans each request's pulls (``pull_plan``, pure arithmetic on the engine's thread)
 and reads from every prefill rank in parallel, each rank on its own queue behind a circuit breaker
 (``peer_health``), with a deadline. Blocks are read a batch at a time under a lease the pull renews;
-the blocks not read become load errors so vLLM's ``kv_load_failure_policy`` decides, and the
-request is reported finished either way, before the DONE / FreeNow owed to the prefill ranks goes
-out. With ``verify_kv`` each read batch is checked against the prefill's per-head digests. What is
-said to the prefill ranks (handshakes, leases, DONE / FreeNow, keep-alives) is ``prefill_messenger``'s.
+what a rank's read brought counts only once that rank's answer to the DONE says the lease held
+throughout (else the blocks may have been freed and reused under the read). The blocks not read
+become load errors so vLLM's ``kv_load_failure_policy`` decides, and the request is reported
+finished either way, before the DONE / FreeNow still owed to the other prefill ranks goes out.
+With ``verify_kv`` each read batch is checked against the prefill's per-head digests. What is said
+to the prefill ranks (handshakes, leases, DONE / FreeNow, keep-alives) is ``prefill_messenger``'s.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class _PullJob:
     nbytes: int = 0
     errors: list[Exception] = field(default_factory=list)
     failed_ranks: set[PrefillRank] = field(default_factory=set)
+    told: set[PrefillRank] = field(default_factory=set)  # ranks whose DONE went out with the read
     unread: set[int] = field(default_factory=set)  # local block positions not read
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -245,7 +248,33 @@ class DecodePuller:
             nbytes = self._pull_from_rank(job, pull, address, read)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
             error = exc
+        if read:
+            error = self._confirm_read(job, pull, address, read, error)
         self._rank_done(job, pull, nbytes, read, error)
+
+    def _confirm_read(self, job: _PullJob, pull: RankPull, address: str, read: set[int],
+                      error: Exception | None) -> Exception | None:
+        """The DONE to this rank, now, with its reply: unless the lease held from PullStarted to the
+        DONE, nothing read from the rank counts (``read`` is emptied, its blocks become load errors)."""
+        source = job.req.source
+        done = P.PullDone(request_id=source.request_id, reader_id=self.reader_id, ok=error is None,
+                          expected_readers=job.counts[pull.source])
+        # Its own bound too: a read that just made the pull's deadline still gets its answer.
+        deadline = max(job.deadline, time.monotonic() + self.config.handshake_timeout_s)
+        try:
+            held = self.messenger.confirm_read(address, done, deadline)
+            with job.lock:
+                job.told.add(pull.source)
+        except Exception as exc:  # noqa: BLE001 - unconfirmed is not read (the DONE is sent again later)
+            held, why = False, f"no answer to the DONE: {exc}"
+        else:
+            why = "the prefill freed them, or the lease lapsed"
+        if held:
+            return error
+        self.stats.incr("void_reads")
+        read.clear()
+        return error or PullFailed(f"{address}: the hold on request {source.request_id} did not last the "
+                                   f"whole read ({why}): what was read is void")
 
     def _rank_done(self, job: _PullJob, pull: RankPull, nbytes: int, read: set[int], error: Exception | None) -> None:
         with job.lock:
@@ -261,8 +290,8 @@ class DecodePuller:
 
     def _finish(self, job: _PullJob) -> None:
         """Report the request finished (its unread blocks as load errors) to vLLM at once, then send
-        the DONE / FreeNow messages owed to the prefill ranks: the blocks are already read, so the
-        decode request need not wait for the prefill's ack."""
+        the DONE / FreeNow messages still owed to the prefill ranks (those that were read from had
+        their DONE with the read, ``_confirm_read``): the decode request waits on no other ack."""
         req, source = job.req, job.req.source
         if not job.errors:
             self.stats.record_transfer(job.nbytes, time.monotonic() - job.start)
@@ -280,7 +309,8 @@ class DecodePuller:
         with self._lock:
             self._pending_pulls.discard(req.request_id)
             self._finished.add(req.request_id)
-        self.messenger.pull_finished(source, job.prefill, job.counts, job.pulls, job.failed_ranks)
+        self.messenger.pull_finished(source, job.prefill, job.counts, job.pulls, job.failed_ranks,
+                                     frozenset(job.told))
 
     def _pull_from_rank(self, job: _PullJob, pull: RankPull, address: str, read: set[int]) -> int:
         req, deadline = job.req, job.deadline
@@ -288,8 +318,10 @@ class DecodePuller:
         hs = self.messenger.handshake(address, source.engine_id, deadline)
         block_ids = sorted({source.block_ids[src_pos] for src_pos, _ in pull.blocks})
         started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id,
-                                expected_readers=job.counts[pull.source], block_ids=block_ids)
+                                expected_readers=job.counts[pull.source], block_ids=block_ids,
+                                prompt_digest=req.prompt_digest)
         reply = self.messenger.take_lease(address, started, deadline)
+        hs = self.messenger.same_boot(address, source.engine_id, hs, reply.boot_id, deadline)
         digests = self._expected_digests(reply, block_ids, hs, address) if self.config.verify_kv else None
         renew_lease = self.messenger.lease_renewer(address, source.request_id, deadline)
         delay = self.config.debug_pull_chunk_delay_s

@@ -3,8 +3,10 @@
 A producer (prefill instance) must not free a finished request's KV blocks while a consumer may
 still read them, yet must not keep them forever when a consumer dies. Each held request has a
 deadline; each reader that starts a pull takes a lease it renews while the pull runs. Blocks are
-freed when every expected reader said ``done``, when the deadline passed and no lease is current,
-or on abort. ``free_fn`` runs exactly once per request, outside the lock. All that is kept about a
+freed when every expected reader said ``done`` and no other reader's lease is current (a proxy's
+retry or a re-sent request makes a reader nobody expected), when the deadline passed and no lease
+is current, or on abort. A reader's ``done`` tells it whether its lease held to the end: only then
+are the bytes it read the request's. ``free_fn`` runs exactly once per request, outside the lock. All that is kept about a
 held request is one ``HeldRequest``: freeing it removes it whole.
 """
 
@@ -14,13 +16,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kv_common.logging_utils import get_logger
 
 logger = get_logger(__name__)
 
 FreeReason = Literal["done", "expired", "aborted"]
+
+
+class ReadEnd(NamedTuple):
+    """What a reader's ``done`` did: whether its lease on these very blocks held from ``begin_read``
+    to now (False: the blocks may have been freed and reused under the read), and whether it freed."""
+
+    held_throughout: bool
+    freed: bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,6 +40,7 @@ class HeldBlocks:
     num_blocks: int = 0
     block_ids: frozenset[int] = frozenset()
     digests: dict[int, list[int]] | None = None  # block id -> one digest per head
+    prompt_digest: str | None = None  # the prompt they were computed for (None: not checked)
 
 
 @dataclass(eq=False)
@@ -49,6 +60,9 @@ class HeldRequest:
 
     def has_current_lease(self, now: float) -> bool:
         return any(deadline > now for deadline in self.leases.values())
+
+    def all_read(self) -> bool:
+        return len(self.readers_done) >= self.expected_done
 
 
 class DelayedFreeTracker:
@@ -78,6 +92,8 @@ class DelayedFreeTracker:
             current.expected_done = max(current.expected_done, expected_done)
             current.deadline = max(current.deadline, now + ttl_s)
             if blocks is not None:
+                if blocks.block_ids != current.blocks.block_ids:
+                    current.leases.clear()  # other blocks now: no read in flight may vouch for them
                 current.blocks = blocks
             logger.debug("request %s held again", request_id)
 
@@ -139,22 +155,31 @@ class DelayedFreeTracker:
 
     def done(self, request_id: str, reader_id: str) -> bool:
         """A reader finished. True when this call freed the blocks (it was the last expected reader)."""
+        return self.end_read(request_id, reader_id).freed
+
+    def end_read(self, request_id: str, reader_id: str) -> ReadEnd:
+        """A reader finished (or gave up). Frees the blocks once every expected reader is done and no
+        other reader's lease is current. ``held_throughout``: this reader's lease is still in this
+        hold (a hold freed since, or replaced by a new one of the same id, does not have it)."""
+        now = self._clock()
         with self._lock:
             hold = self._holds.get(request_id)
             if hold is None:
                 logger.debug("done(%s, %s) for a request not held (freed or unknown)", request_id, reader_id)
-                return False
-            hold.leases.pop(reader_id, None)
+                return ReadEnd(held_throughout=False, freed=False)
+            held = hold.leases.pop(reader_id, None) is not None
             hold.readers_done.add(reader_id)  # a set: a repeated done from one reader counts once
-            if hold.aborted and not hold.leases:
+            if hold.has_current_lease(now):
+                return ReadEnd(held, freed=False)  # another reader is still reading these blocks
+            if hold.aborted:
                 reason: FreeReason = "aborted"
-            elif len(hold.readers_done) >= hold.expected_done:
+            elif hold.all_read():
                 reason = "done"
             else:
-                return False
+                return ReadEnd(held, freed=False)
             del self._holds[request_id]
         self._free([(request_id, reason)])
-        return True
+        return ReadEnd(held, freed=True)
 
     def abort(self, request_id: str, force: bool = False) -> bool:
         """Free an aborted request's blocks. Reads in flight under a current lease finish first
@@ -172,7 +197,8 @@ class DelayedFreeTracker:
         return True
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Free holds past their deadline (or aborted) with no current lease; returns their ids."""
+        """Free holds past their deadline, aborted, or read by every expected reader, with no
+        current lease; returns their ids."""
         now = self._clock() if now is None else now
         freed: list[tuple[str, FreeReason]] = []
         with self._lock:
@@ -181,6 +207,8 @@ class DelayedFreeTracker:
                     continue
                 if hold.aborted:
                     freed.append((request_id, "aborted"))
+                elif hold.all_read():  # the last reader's lease lapsed: it is presumed dead
+                    freed.append((request_id, "done"))
                 elif hold.deadline <= now:
                     freed.append((request_id, "expired"))
                 else:

@@ -24,6 +24,7 @@ class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
     local_block_ids: list[list[int]]  # all blocks of the request, one list per KV-cache group
     num_blocks: int  # logical blocks covering the prompt
     skip_blocks: int  # already computed locally (prefix-cache hit): not pulled
+    prompt_digest: str = ""  # this request's prompt (prompt_identity), sent with PullStarted
 
 
 class HoldRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,6 +32,9 @@ class HoldRequest(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: int
     block_ids: list[int] = []  # the only blocks a reader may read for this request
     ttl_s: float | None = None  # per-request hold timeout (never above the configured one)
+    # The prompt the blocks were computed for (prompt_identity): a reader must name the same one.
+    # None: not checked (holds made without a scheduler); "": no reader may read (unverifiable).
+    prompt_digest: str | None = None
 
 
 class MooncakeStep(msgspec.Struct, kw_only=True):

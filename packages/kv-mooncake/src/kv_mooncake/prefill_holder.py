@@ -12,6 +12,7 @@ FreeNow is remembered and applied when the hold arrives.
 from __future__ import annotations
 
 import functools
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -57,21 +58,27 @@ class PrefillHolder:
         self._freed: set[str] = set()  # freed since the last ``take_freed`` (vLLM's finished_sending)
         self._recently_freed: OrderedDict[str, str] = OrderedDict()  # request -> why it was freed
         self._overtaken: OrderedDict[str, _Overtaken] = OrderedDict()
+        # request -> readers whose DONE found their lease intact: a repeated DONE (its first answer
+        # came too late) gets the same answer, also after that DONE freed the blocks.
+        self._confirmed: OrderedDict[str, set[str]] = OrderedDict()
         self.tracker = DelayedFreeTracker(self._on_free)
         # Set when the KV cache is registered: until then a handshake is refused (retry).
         self.cache: LocalCache | None = None
         self.compatibility: P.Compatibility | None = None
         self.te: Any = None
+        # This worker's boot: a decode's cached handshake of another boot is stale (see protocol).
+        self.boot_id = secrets.token_hex(8)
 
     def attach(self, cache: LocalCache, compatibility: P.Compatibility, te: Any) -> None:
         self.cache, self.compatibility, self.te = cache, compatibility, te
 
     # ---- holds -------------------------------------------------------------------------------
     def hold(self, request_id: str, num_blocks: int, block_ids: list[int] | None = None,
-             ttl_s: float | None = None) -> None:
-        blocks = HeldBlocks(num_blocks, frozenset(block_ids or ()), self._digests(block_ids or ()))
+             ttl_s: float | None = None, prompt_digest: str | None = None) -> None:
+        blocks = HeldBlocks(num_blocks, frozenset(block_ids or ()), self._digests(block_ids or ()), prompt_digest)
         with self._lock:  # atomic with the overtaken check: a message now finds the hold or is kept for it
             overtaken = self._overtaken.pop(request_id, None) or _Overtaken()
+            self._confirmed.pop(request_id, None)  # a new hold: no read of it is confirmed yet
             self.tracker.hold(request_id, max(1, overtaken.expected_readers),
                               ttl_s or self.config.hold_timeout_s, blocks)
             if overtaken.readers_done:  # their count of readers is the one announced
@@ -131,15 +138,16 @@ class PrefillHolder:
         if isinstance(message, P.Handshake):
             return self._handshake_reply(message)
         if isinstance(message, P.PullStarted):
-            refused = self._check_block_ids(message)
+            refused = self._check_block_ids(message) or self._check_prompt(message)
             if refused is not None:
                 return refused
             self.tracker.expect_readers(message.request_id, message.expected_readers)
             if self.tracker.begin_read(message.request_id, message.reader_id, self.config.lease_s):
                 blocks = self.tracker.blocks(message.request_id)
                 if blocks is not None and blocks.digests is not None:  # verify_kv: the reader checks against these
-                    return P.Ack(digests=[d for b in message.block_ids for d in blocks.digests.get(b, ())])
-                return P.Ack()
+                    return P.Ack(digests=[d for b in message.block_ids for d in blocks.digests.get(b, ())],
+                                 boot_id=self.boot_id)
+                return P.Ack(boot_id=self.boot_id)
             return self._not_held(message.request_id)
         if isinstance(message, P.LeaseRenew):
             if self.tracker.renew(message.request_id, self.config.lease_s, message.reader_id):
@@ -153,9 +161,8 @@ class PrefillHolder:
                     overtaken = self._overtaken_by(message.request_id)
                     overtaken.readers_done.add(message.reader_id)
                     overtaken.expected_readers = max(overtaken.expected_readers, message.expected_readers)
-            if held:
-                self.tracker.done(message.request_id, message.reader_id)
-            return P.Ack()
+            end = self.tracker.end_read(message.request_id, message.reader_id) if held else None
+            return P.PullDoneReply(held_throughout=self._confirm(message, end is not None and end.held_throughout))
         if isinstance(message, P.FreeNow):
             with self._lock:
                 held = message.request_id in self.tracker
@@ -185,6 +192,39 @@ class PrefillHolder:
             return P.Refused(reason=f"request {message.request_id}: {what} not held for this request")
         return None
 
+    def _confirm(self, message: P.PullDone, held_throughout: bool) -> bool:
+        """Whether ``message``'s reader read under a lease that held to its DONE (this one, or the
+        same DONE sent before)."""
+        with self._lock:
+            readers = self._confirmed.get(message.request_id)
+            if held_throughout:
+                if readers is None:
+                    readers = self._confirmed[message.request_id] = set()
+                    while len(self._confirmed) > _RECENT:
+                        self._confirmed.popitem(last=False)
+                readers.add(message.reader_id)
+            confirmed = readers is not None and message.reader_id in readers
+        if message.ok and not confirmed:
+            logger.warning("MooncakeConnectorV1: reader %s of request %s read without a current lease "
+                           "(lapsed, or never taken): its read is void", message.reader_id, message.request_id)
+        return confirmed
+
+    def _check_prompt(self, message: P.PullStarted) -> P.Refused | None:
+        """A reader reads only the prompt the blocks were computed for (kv_transfer_params can be
+        forged to pass the decode's own check). The held digest is not echoed: it would let a
+        stranger confirm a guess of another user's prompt."""
+        blocks = self.tracker.blocks(message.request_id)
+        if blocks is None or blocks.prompt_digest is None:
+            return None  # not held (begin_read answers), or a hold nobody computed a digest for
+        if message.prompt_digest and message.prompt_digest == blocks.prompt_digest:
+            return None
+        logger.warning("MooncakeConnectorV1: refusing reader %s of request %s: prompt digest %r, the "
+                       "request's %r", message.reader_id, message.request_id, message.prompt_digest,
+                       blocks.prompt_digest)
+        self.stats.incr("rejected_reads")
+        return P.Refused(reason=f"request {message.request_id}: the reader's prompt_digest "
+                                f"{message.prompt_digest or 'missing'!r} is not the held prompt's")
+
     def _handshake_reply(self, message: P.Handshake) -> msgspec.Struct:
         if self.cache is None or self.compatibility is None:
             return P.Refused(reason="KV cache not registered yet", retry=True)
@@ -210,4 +250,5 @@ class PrefillHolder:
             parts=[[P.PartInfo(base=p.base, shape=list(p.shape), strides=list(p.strides),
                                element_size=p.element_size, roles=list(p.roles))
                     for p in cache.layer_parts(li)] for li in range(len(cache.layer_names))],
+            boot_id=self.boot_id,
         )

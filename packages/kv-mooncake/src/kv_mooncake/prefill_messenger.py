@@ -1,16 +1,19 @@
 """Decode side of the pull protocol: the messages a decode rank owes the prefill ranks.
 
 Over the prefill ranks' side channels (connections kept open) a decode rank sends the handshake
-(cached per prefill rank and engine), takes and renews the lease on the blocks it reads
-(``PullStarted`` / ``LeaseRenew``), says ``PullDone`` / ``FreeNow`` once it is done with a request,
-and keeps accepted requests' holds alive (``HoldKeepAlive``) until their pull takes a lease. A peer
-silent for a whole pull is presumed down (``peer_health.PeerBreaker``): later messages fail fast.
+(cached per prefill rank and engine, a bounded number of them, until the rank's boot id changes),
+takes and renews the lease on the blocks it reads (``PullStarted`` / ``LeaseRenew``), says
+``PullDone`` once it read (its reply confirms the lease held throughout) or gave up, ``FreeNow`` when
+nobody reads, and keeps accepted requests' holds alive (``HoldKeepAlive``) until their pull takes a
+lease. A peer silent for a whole pull is presumed down (``peer_health.PeerBreaker``): later
+messages fail fast.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +31,8 @@ from kv_mooncake.side_channel_auth import auth_from_env
 
 logger = get_logger(__name__)
 
+HANDSHAKE_CACHE_SIZE = 256  # prefill ranks whose handshake is kept (least recently used go first)
+
 
 def peer_address(source: RemoteSource, rank: PrefillRank, layout: PrefillLayout) -> str:
     """The side channel of ``rank`` of the prefill instance ``source`` names (one port per rank)."""
@@ -43,7 +48,7 @@ class PrefillMessenger:
         self.decode_rank = decode_rank
         self.compatibility: P.Compatibility | None = None  # set when the KV cache is registered
         self._lock = threading.Lock()
-        self._handshakes: dict[tuple[str, str], P.HandshakeReply] = {}
+        self._handshakes: OrderedDict[tuple[str, str], P.HandshakeReply] = OrderedDict()
         # Without ``start_threads`` (a kv_producer-only rank) DONE / FreeNow still go out, inline.
         self._notifier: ThreadPoolExecutor | None = None  # DONE / FreeNow delivery, off the pull threads
         # Hold heartbeats on their own thread: one to a frozen prefill must not delay a DONE.
@@ -74,9 +79,11 @@ class PrefillMessenger:
 
     def handshake(self, address: str, engine_id: str, deadline: float) -> P.HandshakeReply:
         key = (address, engine_id)
-        cached = self._handshakes.get(key)
-        if cached is not None:
-            return cached
+        with self._lock:
+            cached = self._handshakes.get(key)
+            if cached is not None:
+                self._handshakes.move_to_end(key)
+                return cached
         assert self.compatibility is not None
         msg = P.Handshake(engine_id=engine_id, compatibility=self.compatibility, reader_id=self.reader_id)
         reply = self._ask(address, msg, deadline)
@@ -89,12 +96,38 @@ class PrefillMessenger:
         diff = self.compatibility.differences(reply.compatibility)
         if diff:
             raise PullFailed(f"handshake with {address}: incompatible KV caches: " + "; ".join(diff))
-        self._handshakes[key] = reply
+        with self._lock:
+            self._handshakes[key] = reply
+            while len(self._handshakes) > HANDSHAKE_CACHE_SIZE:
+                self._handshakes.popitem(last=False)
         return reply
+
+    def same_boot(self, address: str, engine_id: str, hs: P.HandshakeReply, boot_id: str,
+                  deadline: float) -> P.HandshakeReply:
+        """The handshake of the boot that granted the lease (``boot_id``, echoed by its Ack): a
+        prefill restarted with a pinned engine_id may lay its KV out otherwise. A stale cached
+        handshake is dropped and asked again; a rank that restarted once more meanwhile fails the pull."""
+        if hs.boot_id == boot_id:
+            return hs
+        logger.info("MooncakeConnectorV1: %s (engine %s) restarted since its handshake: handshaking again",
+                    address, engine_id)
+        with self._lock:
+            if self._handshakes.get((address, engine_id)) is hs:
+                del self._handshakes[(address, engine_id)]
+        fresh = self.handshake(address, engine_id, deadline)
+        if fresh.boot_id != boot_id:
+            raise PullFailed(f"{address} restarted during the pull (boot {boot_id!r}, now {fresh.boot_id!r})")
+        return fresh
 
     def forget_handshakes(self, engine_id: str) -> None:
         """After a failed pull: the prefill may have restarted, ask it again next time."""
-        self._handshakes = {k: v for k, v in self._handshakes.items() if k[1] != engine_id}
+        with self._lock:
+            for key in [k for k in self._handshakes if k[1] == engine_id]:
+                del self._handshakes[key]
+
+    def cached_handshakes(self) -> int:
+        with self._lock:
+            return len(self._handshakes)
 
     def take_lease(self, address: str, started: P.PullStarted, deadline: float) -> P.Ack:
         """``PullStarted``: the prefill keeps the blocks while the lease is current (its Ack may carry
@@ -103,6 +136,13 @@ class PrefillMessenger:
         if not isinstance(reply, P.Ack):
             raise PullFailed(f"{address} refused the pull: {getattr(reply, 'reason', reply)}")
         return reply
+
+    def confirm_read(self, address: str, done: P.PullDone, deadline: float) -> bool:
+        """Send the DONE of a read and wait for its reply: True only when the prefill says the lease
+        held from PullStarted to now. A batch that landed within a third of a lease of the last
+        renewal was never asked about; only this answer vouches for it. Raises when unanswered."""
+        reply = self._ask(address, done, deadline)
+        return isinstance(reply, P.PullDoneReply) and reply.held_throughout
 
     def lease_renewer(self, address: str, request_id: str, deadline: float) -> Callable[[], None]:
         """A call for each read batch that renews the lease once a third of it has passed."""
@@ -156,10 +196,11 @@ class PrefillMessenger:
 
     # ---- after a pull ------------------------------------------------------------------------
     def pull_finished(self, source: RemoteSource, prefill: PrefillLayout, counts: dict[PrefillRank, int],
-                      pulls: list[RankPull], failed: set[PrefillRank]) -> None:
+                      pulls: list[RankPull], failed: set[PrefillRank], told: frozenset[PrefillRank] = frozenset()) -> None:
         """The DONE / FreeNow owed to the prefill ranks once this rank's pull of ``source`` ended
-        (``counts``: this request's readers per prefill rank, empty without a plan). Always DONE,
-        also after a failure: the prefill must not wait for us until expiry."""
+        (``counts``: this request's readers per prefill rank, empty without a plan; ``told``: ranks
+        whose DONE ``confirm_read`` delivered). Always DONE, also after a failure: the prefill must
+        not wait for us until expiry."""
         owed: list[tuple[str, msgspec.Struct]] = []
         if not counts:
             # No plan: nobody will read any rank. Every decode rank that gets here says so (FreeNow is
@@ -172,6 +213,8 @@ class PrefillMessenger:
                 owed.append((peer_address(source, rank, prefill),
                              P.FreeNow(request_id=source.request_id, reader_id=self.reader_id)))
         for pull in pulls:
+            if pull.source in told:
+                continue
             owed.append((peer_address(source, pull.source, prefill),
                          P.PullDone(request_id=source.request_id, reader_id=self.reader_id,
                                     ok=pull.source not in failed, expected_readers=counts[pull.source])))

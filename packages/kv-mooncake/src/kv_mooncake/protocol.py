@@ -4,10 +4,11 @@ msgpack-encoded msgspec Structs (tagged unions, size-limited by kv_mooncake.side
 
 Flow for one request and one (decode rank, prefill rank) pair::
 
-    Handshake  -> HandshakeReply | Refused      (once per peer rank, cached)
+    Handshake  -> HandshakeReply | Refused      (cached per peer rank until its boot id changes)
     PullStarted-> Ack | Refused                  (takes a lease: blocks cannot be freed under the read)
     LeaseRenew -> Ack | Refused                  (long pulls)
-    PullDone   -> Ack                            (always sent, also after a failed read)
+    PullDone   -> PullDoneReply                  (always sent, also after a failed read; says whether
+                                                  the lease held throughout: else the read is void)
     FreeNow    -> Ack                            (ranks nobody reads from; aborted decode requests)
     HoldKeepAlive -> Ack | Refused               (decode accepted the request, no pull yet: keep the hold)
 """
@@ -18,7 +19,8 @@ import msgspec
 
 # Bump when a message changes meaning or shape in a way the other side cannot ignore: the handshake
 # then refuses a peer of another version by name instead of misreading it.
-PROTOCOL_VERSION = 1
+# 2: PullDoneReply, PullStarted.prompt_digest, boot ids (issue 23).
+PROTOCOL_VERSION = 2
 # What a peer that sends no version speaks: the releases before the version was sent spoke 1.
 UNVERSIONED = 1
 
@@ -94,6 +96,9 @@ class HandshakeReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     dcp_size: int = 0
     kernel_blocks_per_block: int = 1
     parts: list[list[PartInfo]] = []  # per layer (same order as layer_names): its KV tensors
+    # New at every start of the prefill worker, echoed by its Ack to PullStarted: a reader whose
+    # cached handshake names another boot (a restart with a pinned engine_id) handshakes again.
+    boot_id: str = ""
 
 
 class PullStarted(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -103,6 +108,9 @@ class PullStarted(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     # Remote block ids this reader will read; the prefill refuses ids it does not hold for the
     # request (a stale or malicious reader must not be handed other requests' blocks).
     block_ids: list[int] = []
+    # The reader's digest of its prompt (kv_mooncake.prompt_identity): the prefill refuses a reader
+    # of another prompt (forged kv_transfer_params pass the decode's own check).
+    prompt_digest: str = ""
 
 
 class LeaseRenew(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -136,6 +144,14 @@ class LeakQuery(msgspec.Struct, tag=True, frozen=True):
 class Ack(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     # verify_kv, reply to PullStarted: xxh3-64 per (requested block id in order, head of this rank)
     digests: list[int] = []
+    boot_id: str = ""  # reply to PullStarted: the prefill worker's boot (HandshakeReply.boot_id)
+
+
+class PullDoneReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Whether the reader's lease on the request's blocks held from its PullStarted to this DONE. If
+    not, the blocks may have been freed and reused under the read: what was read is not the request's."""
+
+    held_throughout: bool = False
 
 
 class Refused(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -151,4 +167,4 @@ class LeakReport(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
 
 REQUEST_TYPES = (Handshake, PullStarted, LeaseRenew, PullDone, FreeNow, HoldKeepAlive, LeakQuery)
-REPLY_TYPES = (HandshakeReply, Ack, Refused, LeakReport)
+REPLY_TYPES = (HandshakeReply, Ack, PullDoneReply, Refused, LeakReport)

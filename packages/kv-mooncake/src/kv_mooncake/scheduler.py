@@ -18,7 +18,7 @@ from kv_common.stats import TransferStatsBase
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.declared_layout import peer_layout_contradiction
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest
-from kv_mooncake.prompt_identity import prompt_digest, same_prompt
+from kv_mooncake.prompt_identity import request_digest, same_prompt
 from kv_mooncake.transfer_params import TransferParams, flag, parse_transfer_params
 
 logger = get_logger(__name__)
@@ -97,7 +97,7 @@ class MooncakeScheduler:
         if contradiction:
             self._refuse_declared_layout(request, params, contradiction)
             return 0, False
-        if not same_prompt(params.prompt_digest, request.prompt_token_ids):
+        if not same_prompt(params.prompt_digest, request_digest(request)):
             self._refuse_other_prompt(request, params)
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -134,8 +134,7 @@ class MooncakeScheduler:
         logger.warning(
             "MooncakeConnectorV1: request %s: kv_transfer_params were made for another prompt "
             "(prompt digest %s, this prompt %s); computing it locally instead of pulling",
-            request.request_id, params.prompt_digest or "missing",
-            prompt_digest(request.prompt_token_ids or ()),
+            request.request_id, params.prompt_digest or "missing", request_digest(request) or "none (embeddings)",
         )
         self._compute_locally(request, params)
 
@@ -160,6 +159,7 @@ class MooncakeScheduler:
                 local_block_ids=[list(g) for g in blocks.get_block_ids()],
                 num_blocks=-(-num_tokens // self.block_size),
                 skip_blocks=local_computed // self.block_size,
+                prompt_digest=params.prompt_digest or "",  # equal to this request's: checked above
             )
         )
 
@@ -183,8 +183,10 @@ class MooncakeScheduler:
         if status not in _FINISHED_OK or not any(groups):
             return False, None  # aborted prefill: vLLM frees its blocks now, nothing to hand over
         self._held[request.request_id] = self._clock()
+        digest = request_digest(request)
         self._step.holds.append(HoldRequest(request_id=request.request_id, num_blocks=len(groups[0]),
-                                            block_ids=list(groups[0]), ttl_s=self._hold_ttl(params.hold_timeout_s)))
+                                            block_ids=list(groups[0]), ttl_s=self._hold_ttl(params.hold_timeout_s),
+                                            prompt_digest=digest or ""))
         return True, TransferParams(
             do_remote_prefill=True,
             engine_id=self.engine_id,
@@ -195,7 +197,7 @@ class MooncakeScheduler:
             tp_size=self.tp_size,
             pcp_size=self.pcp_size,
             dcp_size=self.dcp_size,
-            prompt_digest=prompt_digest(request.prompt_token_ids or ()),
+            prompt_digest=digest,
         ).to_dict()
 
     def _hold_ttl(self, requested: float | None) -> float | None:

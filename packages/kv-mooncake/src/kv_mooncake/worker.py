@@ -150,7 +150,7 @@ class MooncakeWorker:
     # ---- per step ----------------------------------------------------------------------------
     def start_step(self, step: MooncakeStep) -> None:
         for hold in step.holds:
-            self.holder.hold(hold.request_id, hold.num_blocks, hold.block_ids, hold.ttl_s)
+            self.holder.hold(hold.request_id, hold.num_blocks, hold.block_ids, hold.ttl_s, hold.prompt_digest)
         self.puller.start_step(step)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
