@@ -30,7 +30,7 @@ BASES = [4096, 8192]
 
 def _compat(**changes) -> P.Compatibility:
     base = dict(model="m", dtype="float32", block_size=16, head_size=8, num_layers=2, total_kv_heads=4, use_mla=False,
-                layout="raw:[blocks,heads,bytes]", kernel_block_size=16)
+                layout="raw:[blocks,heads,bytes]", kernel_block_size=16, protocol_version=P.PROTOCOL_VERSION)
     base.update(changes)
     return P.Compatibility(**base)
 
