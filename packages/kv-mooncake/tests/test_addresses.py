@@ -70,6 +70,22 @@ def test_the_worker_listens_on_and_advertises_the_default_address(monkeypatch):
         worker.close()
 
 
+def test_an_address_that_cannot_be_bound_names_the_settings(monkeypatch):
+    from conftest import FakeTransferEngine
+    from kv_mooncake.side_channel import SideChannelError
+    from kv_mooncake.worker import LocalCache, MooncakeWorker
+
+    monkeypatch.setenv("VLLM_HOST_IP", "192.0.2.213")  # TEST-NET-1: not this machine's
+    worker = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=True, is_consumer=False,
+                            side_channel_port=free_port(), engine_factory=FakeTransferEngine)
+    try:
+        with pytest.raises(SideChannelError, match="side_channel_bind_host.*VLLM_HOST_IP.*'192.0.2.213'"):
+            worker.register_cache(LocalCache(["l0"], [0], [1024], 4, 1),
+                                  {"block_size": 16, "head_size": 8, "num_layers": 1}, "float32")
+    finally:
+        worker.close()
+
+
 def test_doctor_prints_the_advertised_addresses(monkeypatch):
     from kv_common import doctor
 
