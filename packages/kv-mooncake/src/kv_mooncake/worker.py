@@ -148,6 +148,10 @@ class MooncakeWorker:
             logger.info("MooncakeConnectorV1 %s rank: side channel listens on %s, peers are told %s; TE %s",
                         "prefill" if self.is_producer else "decode", self.server.address,
                         self.config.advertised_host(), self.te.rpc_address)
+            if self.config.advertised_host() in ("0.0.0.0", "::"):  # vLLM's answer when no route is found
+                logger.warning("MooncakeConnectorV1: peers are told %s, which no peer can connect to: set "
+                               "VLLM_HOST_IP or side_channel_host to this machine's address",
+                               self.config.advertised_host())
         if self.is_consumer:
             self.puller.start_threads()
 
