@@ -84,7 +84,8 @@ def _worker(producer: bool, port: int, heads: int, verify_kv: bool = False):
     from kv_mooncake.pull_plan import PrefillLayout
     from kv_mooncake.worker import MooncakeWorker
 
-    cfg = MooncakeConfig(hold_timeout_s=600.0, lease_s=60.0, pull_timeout_s=120.0, verify_kv=verify_kv)
+    cfg = MooncakeConfig(side_channel_host="127.0.0.1", hold_timeout_s=600.0, lease_s=60.0, pull_timeout_s=120.0,
+                         verify_kv=verify_kv)
     return MooncakeWorker(
         cfg, engine_id=ENGINE_ID, is_producer=producer, is_consumer=not producer, side_channel_port=port,
         prefill_layout=PrefillLayout(tp_size=1, total_kv_heads=heads), total_kv_heads=heads,

@@ -58,7 +58,7 @@ def _worker(engine_id: str, producer: bool, port: int, layers, num_blocks: int):
     from kv_mooncake.config import MooncakeConfig
     from kv_mooncake.worker import LocalCache, MooncakeWorker
 
-    cfg = MooncakeConfig(hold_timeout_s=600.0, lease_s=60.0, pull_timeout_s=120.0)
+    cfg = MooncakeConfig(side_channel_host="127.0.0.1", hold_timeout_s=600.0, lease_s=60.0, pull_timeout_s=120.0)
     w = MooncakeWorker(cfg, engine_id=engine_id, is_producer=producer, is_consumer=not producer,
                        side_channel_port=port, total_kv_heads=HEADS, compatibility_base={"model": "bench"})
     cache = LocalCache([f"l{i}" for i in range(NUM_LAYERS)], [a.ctypes.data for a in layers],

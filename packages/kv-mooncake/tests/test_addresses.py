@@ -70,6 +70,38 @@ def test_the_worker_listens_on_and_advertises_the_default_address(monkeypatch):
         worker.close()
 
 
+def test_an_address_that_cannot_be_bound_names_the_settings(monkeypatch):
+    from conftest import FakeTransferEngine
+    from kv_mooncake.side_channel import SideChannelError
+    from kv_mooncake.worker import LocalCache, MooncakeWorker
+
+    monkeypatch.setenv("VLLM_HOST_IP", "192.0.2.213")  # TEST-NET-1: not this machine's
+    worker = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=True, is_consumer=False,
+                            side_channel_port=free_port(), engine_factory=FakeTransferEngine)
+    try:
+        with pytest.raises(SideChannelError, match="side_channel_bind_host.*VLLM_HOST_IP.*'192.0.2.213'"):
+            worker.register_cache(LocalCache(["l0"], [0], [1024], 4, 1),
+                                  {"block_size": 16, "head_size": 8, "num_layers": 1}, "float32")
+    finally:
+        worker.close()
+
+
+def test_an_unspecified_address_is_a_warning_at_start(monkeypatch, caplog):
+    from conftest import FakeTransferEngine
+    from kv_mooncake.worker import LocalCache, MooncakeWorker
+
+    monkeypatch.setenv("VLLM_HOST_IP", "0.0.0.0")  # what vLLM's helper answers when it finds no route
+    worker = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=True, is_consumer=False,
+                            side_channel_port=free_port(), engine_factory=FakeTransferEngine)
+    try:
+        with caplog.at_level(logging.WARNING):
+            worker.register_cache(LocalCache(["l0"], [0], [1024], 4, 1),
+                                  {"block_size": 16, "head_size": 8, "num_layers": 1}, "float32")
+        assert any("peers are told 0.0.0.0, which no peer can connect to" in r.getMessage() for r in caplog.records)
+    finally:
+        worker.close()
+
+
 def test_doctor_prints_the_advertised_addresses(monkeypatch):
     from kv_common import doctor
 

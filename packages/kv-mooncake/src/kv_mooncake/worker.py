@@ -136,14 +136,25 @@ class MooncakeWorker:
                 port = self.side_channel_port + self.prefill_rank.index(self.prefill_layout)
             else:
                 port = self.side_channel_port + self.decode_rank.index(self.decode_layout)
-            self.server = side_channel.SideChannelServer(
-                self.config.bind_host(), port, self.handle, P.REQUEST_TYPES,
-                self.config.max_message_bytes, name=f"mooncake-side-channel:{port}",
-                auth=auth_from_env(self.config.side_channel_secret_env), trusted_only=(P.LeakQuery,),
-            ).start()
+            try:
+                self.server = side_channel.SideChannelServer(
+                    self.config.bind_host(), port, self.handle, P.REQUEST_TYPES,
+                    self.config.max_message_bytes, name=f"mooncake-side-channel:{port}",
+                    auth=auth_from_env(self.config.side_channel_secret_env), trusted_only=(P.LeakQuery,),
+                ).start()
+            except side_channel.SideChannelError as exc:  # say which setting chose the address
+                raise side_channel.SideChannelError(
+                    f"{exc}; the side channel listens on side_channel_bind_host "
+                    f"({self.config.side_channel_bind_host!r}), else on the address peers are told: "
+                    f"side_channel_host ({self.config.side_channel_host!r}), else VLLM_HOST_IP or this "
+                    f"machine's address ({self.config.advertised_host()!r})") from exc
             logger.info("MooncakeConnectorV1 %s rank: side channel listens on %s, peers are told %s; TE %s",
                         "prefill" if self.is_producer else "decode", self.server.address,
                         self.config.advertised_host(), self.te.rpc_address)
+            if self.config.advertised_host() in ("0.0.0.0", "::"):  # vLLM's answer when no route is found
+                logger.warning("MooncakeConnectorV1: peers are told %s, which no peer can connect to: set "
+                               "VLLM_HOST_IP or side_channel_host to this machine's address",
+                               self.config.advertised_host())
         if self.is_consumer:
             self.puller.start_threads()
 
