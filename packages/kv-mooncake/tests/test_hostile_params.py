@@ -119,7 +119,7 @@ def hostile_params(draw):
     return prompt, {**unknown, **base, "do_remote_prefill": flag, "do_remote_decode": decode_flag}
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(case=hostile_params(), block_size=st.sampled_from([16, 128]), producer=st.booleans())
 def test_any_params_end_as_a_bounded_pull_or_a_local_computation(case, block_size, producer):
     prompt, params = case
@@ -138,9 +138,9 @@ def test_any_params_end_as_a_bounded_pull_or_a_local_computation(case, block_siz
     for step in steps:
         for hold in step.holds:  # kv_both: a client may shorten the hold, never extend it
             assert hold.ttl_s is None or 0 < hold.ttl_s <= sched.config.hold_timeout_s
-    if not producer:
+    if not producer:  # nothing left behind (a kv_both instance may hold the request for a decode)
         assert finished == (False, None)
-    assert sched.build_step().is_empty() and not sched.has_pending_block_frees() or producer
+        assert sched.build_step().is_empty() and not sched.has_pending_block_frees()
 
 
 def test_the_test_bounds_are_the_modules():
@@ -247,8 +247,8 @@ def test_non_mapping_and_empty_params_are_no_params():
         assert _decide(params)[0] == (0, False)
 
 
-def test_not_a_prompt_math_overflow():
-    """A prompt far longer than any block list: still bounded by the prompt, not refused."""
+def test_a_long_prompt_takes_a_long_block_list():
+    """The bound on remote_block_ids is the prompt's, not a fixed small one."""
     prompt = list(range(5000))
     params = _valid(prompt, remote_block_ids=list(range(math.ceil(5000 / 16))))
     assert _decide(params, prompt)[0] == (5000, True)
