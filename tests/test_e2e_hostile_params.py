@@ -143,7 +143,12 @@ def check(url: str, name: str, params: dict, expected: list[int]) -> str | None:
         response = complete(url, PROMPT, params)
     except httpx.TimeoutException:
         return f"no answer in {REQUEST_TIMEOUT_S:g} s (the request hangs)"
-    health = httpx.get(f"{url}/health", timeout=30).status_code
+    except httpx.TransportError as exc:
+        raise AssertionError(f"{name}: the server is gone ({exc})") from exc
+    try:
+        health = httpx.get(f"{url}/health", timeout=30).status_code
+    except httpx.TransportError as exc:
+        raise AssertionError(f"{name}: the server is gone after the request ({exc})") from exc
     assert health == 200, f"{name}: /health {health} after the request ({response.status_code} {response.text[:300]})"
     if "vLLM answers 400" in name:  # vLLM's own check of extra_args, before any connector hook
         return None if response.status_code == 400 else f"{response.status_code} {response.text[:300]}"
@@ -164,7 +169,10 @@ def test_hostile_params_never_take_the_decode_down(decode):
     failures = []
     for name, params in shapes:
         t1 = time.perf_counter()
-        failure = check(url, name, params, decode["expected"]["prompt"])
+        try:
+            failure = check(url, name, params, decode["expected"]["prompt"])
+        except AssertionError as exc:  # the server is down: say what came before
+            raise AssertionError("\n".join([*failures, str(exc)])) from exc
         print(f"  {name}: {time.perf_counter() - t1:.2f}s {failure or 'ok'}")
         if failure:
             failures.append(f"{name}: {failure}")
