@@ -9,7 +9,7 @@ from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.metadata import RemoteSource
 from kv_mooncake.proxy.release import side_channel_addresses
 from kv_mooncake.scheduler import MooncakeScheduler
-from kv_mooncake.transfer_params import TransferParams, parse_transfer_params
+from kv_mooncake.transfer_params import TransferParams, parse_transfer_params, read_transfer_params
 
 # What a prefill answers today, key by key (vllm-ascend's names: clients and proxies read them).
 WIRE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "P", "remote_host": "10.0.0.1",
@@ -47,12 +47,38 @@ def test_values_convert_leniently():
     assert (params.port, params.tp_size, params.hold_timeout_s) == (17000, 2, 5.0)
 
 
-@pytest.mark.parametrize("bad", [{"remote_port": "not a port"}, {"remote_block_ids": "x"}, {"remote_host": 5},
-                                 {"remote_tp_size": "x"}, {"hold_timeout_s": "x"}, {"prompt_digest": 5}])
-def test_a_wrong_type_keeps_only_the_flags(bad):
-    params = parse_transfer_params({**WIRE, **bad})
-    assert params == TransferParams(do_remote_prefill=True)
-    assert params.source() is None  # nothing is pulled from or freed on a prefill it cannot name
+@pytest.mark.parametrize("bad", [{"remote_port": "not a port"}, {"remote_host": 5}, {"remote_tp_size": "x"},
+                                 {"remote_pcp_size": 0}, {"remote_engine_id": ""}])
+def test_a_wrong_address_or_size_keeps_no_address(bad):
+    (key,) = bad
+    read = read_transfer_params({**WIRE, **bad})
+    assert read.problem.startswith(f"{key}=")
+    assert read.params.source() is None and read.params.prefill_addresses() is None  # nobody to free
+    assert read.params.do_remote_prefill and read.params.prompt_digest == WIRE["prompt_digest"]
+
+
+@pytest.mark.parametrize("bad", [{"remote_block_ids": "x"}, {"hold_timeout_s": "x"}, {"prompt_digest": 5}])
+def test_another_wrong_value_keeps_the_address(bad):
+    """The decode pulls nothing but can still tell the prefill to free (it used to keep only the
+    flags, and the prefill's hold waited for hold_timeout_s)."""
+    (key,) = bad
+    read = read_transfer_params({**WIRE, **bad})
+    assert read.problem.startswith(f"{key}=") and f"`$.{key}`" in read.problem
+    assert read.params == parse_transfer_params({k: v for k, v in WIRE.items() if k != key})
+    assert read.params.prefill_addresses() == ["10.0.0.1:17000", "10.0.0.1:17001"]
+
+
+def test_keys_valid_alone_but_not_together_keep_no_address():
+    read = read_transfer_params({**WIRE, "remote_port": 65535})  # two TP ranks: 65535 and 65536
+    assert "remote_port 65535 + 2 prefill ranks" in read.problem
+    assert read.params.source() is None and read.params.tp_size == 2
+    read = read_transfer_params({**WIRE, "remote_tp_size": 64, "remote_pcp_size": 8})
+    assert read.problem == "remote_tp_size 64 x remote_pcp_size 8 = 512 prefill ranks, at most 256"
+    assert read.params == TransferParams(do_remote_prefill=True)  # then only the flags count
+
+
+def test_valid_params_have_no_problem():
+    assert read_transfer_params(WIRE) == (parse_transfer_params(WIRE), None)
 
 
 def test_flags_count_by_truthiness():
@@ -110,8 +136,8 @@ def test_the_decode_parses_once_per_request(monkeypatch):
     import kv_mooncake.scheduler as scheduler_module
 
     calls = []
-    monkeypatch.setattr(scheduler_module, "parse_transfer_params",
-                        lambda raw: calls.append(raw) or parse_transfer_params(raw))
+    monkeypatch.setattr(scheduler_module, "read_transfer_params",
+                        lambda raw: calls.append(raw) or read_transfer_params(raw))
     decode = MooncakeScheduler(MooncakeConfig(), engine_id="D", block_size=16, is_producer=False, is_consumer=True,
                                side_channel_port=1)
     from kv_mooncake.prompt_identity import prompt_digest

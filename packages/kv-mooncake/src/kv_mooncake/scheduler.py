@@ -19,7 +19,14 @@ from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.declared_layout import peer_layout_contradiction
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest
 from kv_mooncake.prompt_identity import request_digest, same_prompt
-from kv_mooncake.transfer_params import TransferParams, flag, parse_transfer_params
+from kv_mooncake.transfer_params import (
+    MAX_PREFILL_RANKS,
+    TransferParams,
+    flag,
+    parse_transfer_params,
+    pull_problem,
+    read_transfer_params,
+)
 
 logger = get_logger(__name__)
 
@@ -62,6 +69,10 @@ class MooncakeScheduler:
         # What the decode is told to reach this prefill at: asked once (vLLM's helper may look up routes).
         self.advertised_host = config.advertised_host() if is_producer else ""
         self.tp_size, self.pcp_size, self.dcp_size = tp_size, pcp_size, dcp_size
+        if is_producer and tp_size * pcp_size > MAX_PREFILL_RANKS:  # no decode would accept its answers
+            raise ValueError(f"MooncakeConnectorV1: a prefill of tensor_parallel_size {tp_size} x "
+                             f"prefill_context_parallel_size {pcp_size} ranks; decodes accept at most "
+                             f"{MAX_PREFILL_RANKS} (kv_mooncake.transfer_params.MAX_PREFILL_RANKS)")
         # decode: requests with do_remote_prefill, parsed once (vLLM asks again every step until one fits)
         self._incoming: dict[str, _Incoming] = {}
         self._step = MooncakeStep()
@@ -74,20 +85,23 @@ class MooncakeScheduler:
 
     # ---- decode side -------------------------------------------------------------------------
     def _remote_prefill(self, request: Any) -> TransferParams | None:
-        """The params of a decode request still to be pulled (parsed on first sight; vLLM asks again
-        every step until the request fits); None for any other request."""
+        """The params of a decode request still to be pulled (read and checked on first sight; vLLM
+        asks again every step until the request fits); None for any other request, and for one whose
+        params are refused (it is computed locally)."""
         if not self.is_consumer or not flag(request.kv_transfer_params, "do_remote_prefill"):
             return None
         entry = self._incoming.get(request.request_id)
         if entry is not None:
             return entry.params
-        params = parse_transfer_params(request.kv_transfer_params)
-        assert params is not None  # the flag is set
-        if params.source() is None:
-            logger.warning("MooncakeConnectorV1: kv_transfer_params lack the remote engine: %s",
-                           request.kv_transfer_params)
-        self._incoming[request.request_id] = _Incoming(params, 0)
-        return params
+        read = read_transfer_params(request.kv_transfer_params)
+        assert read is not None  # the flag is set
+        problem = read.problem or pull_problem(read.params, prompt_len=len(request.prompt_token_ids or ()),
+                                               block_size=self.block_size)
+        if problem:
+            self._refuse_params(request, read.params, problem)
+            return None
+        self._incoming[request.request_id] = _Incoming(read.params, 0)
+        return read.params
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = self._remote_prefill(request)
@@ -119,6 +133,13 @@ class MooncakeScheduler:
         source = params.source()
         if source is not None:
             self._step.frees.append(source)
+
+    def _refuse_params(self, request: Any, params: TransferParams, problem: str) -> None:
+        """kv_transfer_params a client got wrong (or forged): computed locally, never an error. A
+        prefill the valid keys still name is told to free."""
+        logger.warning("MooncakeConnectorV1: request %s: invalid kv_transfer_params (%s); computing it "
+                       "locally instead of pulling", request.request_id, problem)
+        self._compute_locally(request, params)
 
     def _refuse_declared_layout(self, request: Any, params: TransferParams, contradiction: str) -> None:
         """The prefill's layout is not the one the config declares: a misconfigured pair. Pull
@@ -170,7 +191,7 @@ class MooncakeScheduler:
         raw = request.kv_transfer_params
         if flag(raw, "do_remote_prefill"):
             # Finished (aborted) before its blocks were allocated: the prefill still holds them.
-            params = entry.params if entry is not None else parse_transfer_params(raw)
+            params = entry.params if entry is not None else parse_transfer_params(raw)  # valid keys only
             assert params is not None  # the flag is set
             self._compute_locally(request, params)
             return False, None
