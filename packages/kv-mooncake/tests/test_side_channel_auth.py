@@ -412,3 +412,30 @@ def test_doctor_warns_of_a_side_channel_beyond_loopback_without_a_secret(monkeyp
     report = _doctor("0.0.0.0", side_channel_secret_env="KV_TEST_UNSET_SECRET")
     assert not report.ok
     assert any("KV_TEST_UNSET_SECRET, which is not set" in c.detail for c in report.checks)
+
+
+@pytest.mark.parametrize("secret_on", ["prefill", "decode"])
+def test_a_refusal_for_the_secret_is_not_retried(secret_on, monkeypatch, caplog):
+    """Secrets that differ never start to match: the decode's DONE / FreeNow to that prefill gives
+    up at the first refusal instead of retrying for ``lease_s`` (a notifier thread tied up for a
+    lease per message delays every other request's DONE)."""
+    monkeypatch.delenv("KV_SECRET", raising=False)
+    monkeypatch.setenv("KV_TEST_SECRET", SECRET)
+    with_secret = MooncakeConfig(pull_timeout_s=5.0, lease_s=20.0, side_channel_secret_env="KV_TEST_SECRET")
+    without = MooncakeConfig(pull_timeout_s=5.0, lease_s=20.0)
+    prefill, decode = _instances(with_secret if secret_on == "prefill" else without,
+                                 with_secret if secret_on == "decode" else without)
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[1, 2])]))
+        with caplog.at_level(logging.WARNING):
+            t0 = time.monotonic()
+            assert _pull_and_wait(decode, prefill, "r", [1, 2], [5, 6]) == {5, 6}
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and not any("not delivered" in r.getMessage() for r in caplog.records):
+                time.sleep(0.05)
+            delivered_after = time.monotonic() - t0
+        assert any("not delivered" in r.getMessage() for r in caplog.records), "the DONE was retried past 10 s"
+        assert delivered_after < 5.0
+    finally:
+        decode.worker.close()
+        prefill.worker.close()

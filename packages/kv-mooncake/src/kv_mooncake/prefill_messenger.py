@@ -237,7 +237,7 @@ class PrefillMessenger:
         thread starved on a loaded host) must not keep the blocks until expiry because one answer
         came late. DONE and FreeNow are idempotent on the prefill, so a repeat is harmless. A peer
         presumed down (``PeerBreaker``) or where nothing can answer (refused, no route) gets one short
-        try per message."""
+        try per message; a refusal for the side-channel secret is final (secrets never start to match)."""
         now = time.monotonic()
         presumed_dead = self._breaker.state(address) != "closed" or \
             self._reachability.unreachable(address) is not None
@@ -250,7 +250,7 @@ class PrefillMessenger:
                 return
             except side_channel.SideChannelError as exc:
                 left = give_up - time.monotonic()
-                if left <= 0:
+                if left <= 0 or isinstance(exc, side_channel.SideChannelRefused):
                     if isinstance(exc, side_channel.SideChannelTimeout) and not presumed_dead:
                         self._breaker.silent(address)
                     self._client.forget(address)

@@ -52,6 +52,11 @@ class SideChannelTimeout(SideChannelError):
     """No reply before the deadline."""
 
 
+class SideChannelRefused(SideChannelError):
+    """The peer refuses us for good (the side-channel secrets differ, or one side has none): a
+    retry, sealed afresh, would be refused the same way."""
+
+
 class ErrorReply(msgspec.Struct, tag=True, frozen=True):
     """What the server answers when it cannot (or would not) handle a request."""
 
@@ -340,7 +345,8 @@ def _decode_reply(decoder: msgspec.msgpack.Decoder, raw: bytes, address: str) ->
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise SideChannelError(f"undecodable reply from {address}: {exc}") from exc
     if isinstance(reply, ErrorReply):
-        raise SideChannelError(f"{address} answered with an error: {reply.message}")
+        error = SideChannelRefused if reply.message in (NOT_AUTHENTICATED, NO_SECRET_HERE) else SideChannelError
+        raise error(f"{address} answered with an error: {reply.message}")
     return reply
 
 
@@ -424,9 +430,9 @@ class SideChannelClient:
             try:
                 refusal = msgspec.msgpack.decode(raw, type=ErrorReply)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                raise SideChannelError(f"{address} sent an unauthenticated reply (it has no side-channel "
+                raise SideChannelRefused(f"{address} sent an unauthenticated reply (it has no side-channel "
                                        f"secret, or is not a side channel)") from None
-            raise SideChannelError(f"{address} refused the request: "
+            raise SideChannelRefused(f"{address} refused the request: "
                                    f"{refusal.message[:_SHOWN_ERROR_CHARS]}") from None
         try:
             return self._auth.open_reply(sealed, nonce)
