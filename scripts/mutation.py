@@ -65,7 +65,7 @@ TARGETS = [
     Target("kv-mooncake", "kv_mooncake/fingerprint.py",
            _tests("test_fingerprint_mutants", "test_fingerprint_pinned", "test_handshake_fingerprint")),
     Target("kv-mooncake", "kv_mooncake/prompt_identity.py",
-           _tests("test_prompt_identity", "test_transfer_params")),
+           _tests("test_prompt_identity_mutants", "test_prompt_identity", "test_transfer_params")),
     Target("kv-store", "kv_store/codec.py",
            _tests("test_codec_mutants", "test_store_integrity", "test_store_parts", "test_store_kv_layout")),
     Target("kv-store", "kv_store/keys.py",
