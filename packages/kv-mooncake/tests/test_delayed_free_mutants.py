@@ -294,3 +294,15 @@ def test_expire_frees_only_what_is_due(tracker, clock, freed):
     assert tracker.held() == {"b", "c"}
     assert freed == [("a", "expired")]
 
+
+
+def test_only_an_expiry_is_logged_as_a_warning(tracker, caplog):
+    tracker.hold("gone", 1, ttl_s=1)
+    tracker.hold("read", 1, ttl_s=10)
+    tracker.hold("stopped", 1, ttl_s=10)
+    with caplog.at_level("WARNING", logger="kv_mooncake.delayed_free"):
+        tracker.expire(T0 + 1)
+        tracker.done("read", "a")
+        tracker.abort("stopped")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "gone" in warnings[0] and "expired" in warnings[0]
