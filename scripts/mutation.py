@@ -24,11 +24,12 @@ import ast
 import copy
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
+import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -286,7 +287,64 @@ def _src_paths(root: Path) -> list[str]:
     return [str(p) for p in sorted((root / "packages").glob("*/src"))]
 
 
-def _run_tests(root: Path, target: Target, mutated: str | None, timeout: float) -> tuple[str, float]:
+# A fork server per job: it imports pytest and the third-party modules the tests use once, then
+# forks a fresh child per test run (start-up was most of a mutant's time on a loaded machine). It
+# never imports the package under test: each child puts its mutant copy first on sys.path.
+_SERVER = r"""
+import os, signal, sys
+sys.dont_write_bytecode = True  # a stale .pyc must never stand in for a mutant
+for name in ("pytest", "hypothesis", "msgspec", "numpy", "xxhash", "kv_common", "kv_common.backend"):
+    try:
+        __import__(name)
+    except ImportError:
+        pass
+for line in sys.stdin:
+    tmp, timeout, cwd, *tests = line.rstrip("\n").split("\t")
+    pid = os.fork()
+    if pid == 0:
+        os.setpgrp()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        signal.alarm(max(1, int(float(timeout))))
+        sys.path[:0] = [tmp]
+        os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = os.path.join(tmp, ".hypothesis")  # no replay between mutants
+        os.chdir(cwd)
+        import pytest
+        os._exit(int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests])))
+    _, status = os.waitpid(pid, 0)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # whatever the tests left running
+    except ProcessLookupError:
+        pass
+    if os.WIFSIGNALED(status):
+        print("timeout" if os.WTERMSIG(status) == signal.SIGALRM else "killed", flush=True)
+    else:
+        print("survived" if os.WEXITSTATUS(status) == 0 else "killed", flush=True)
+"""
+
+
+class _Runner:
+    def __init__(self, root: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(_src_paths(root)), "MC_LOG_LEVEL": "ERROR",
+               "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, text=True)
+
+    def run(self, tmp: str, timeout: float, cwd: Path, tests: list[str]) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("\t".join([tmp, str(timeout), str(cwd), *tests]) + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def _run_tests(root: Path, runner: _Runner, target: Target, mutated: str | None,
+               timeout: float) -> tuple[str, float]:
     """Run the target's tests against a copy of its package with the module replaced by ``mutated``
     (None: unchanged). Returns (killed | timeout | survived, seconds)."""
     src = root / "packages" / target.package / "src"
@@ -295,31 +353,16 @@ def _run_tests(root: Path, target: Target, mutated: str | None, timeout: float) 
         shutil.copytree(src / top, Path(tmp) / top, ignore=shutil.ignore_patterns("__pycache__"))
         if mutated is not None:
             (Path(tmp) / target.module).write_text(mutated)
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([tmp, *_src_paths(root)]),
-            "PYTHONDONTWRITEBYTECODE": "1",  # a stale .pyc must never stand in for a mutant
-            "HYPOTHESIS_STORAGE_DIRECTORY": str(Path(tmp) / ".hypothesis"),  # no replay between mutants
-            "MC_LOG_LEVEL": "ERROR",
-            "HF_HUB_OFFLINE": "1",
-        }
         tests = _existing_tests(root, target)
         # The first file (the module's pointed tests) alone first: pytest imports every listed file
         # before it runs one test, and the later files import heavy engines. Most mutants die here.
         stages = [tests[:1], tests[1:]] if mutated is not None else [tests]
         start = time.monotonic()
         for stage in filter(None, stages):
-            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *stage]
-            proc = subprocess.Popen(cmd, cwd=root / "packages" / target.package, env=env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return "timeout", time.monotonic() - start
-            if rc != 0:
-                return "killed", time.monotonic() - start
+            left = max(1.0, timeout - (time.monotonic() - start))
+            status = runner.run(tmp, left, root / "packages" / target.package, stage)
+            if status != "survived":
+                return status, time.monotonic() - start
         return "survived", time.monotonic() - start
 
 
@@ -354,22 +397,37 @@ def run_target(root: Path, target: Target, jobs: int, equivalents: dict[tuple[st
     missing = sorted(set(target.tests) - set(_existing_tests(root, target)))
     if missing:
         log(f"{target.module}: mapped test files missing, run without them: {missing}")
-    status, base = _run_tests(root, target, None, timeout=1800)
+    runners: queue.Queue[_Runner] = queue.Queue()
+    for _ in range(max(1, jobs)):
+        runners.put(_Runner(root))
+    first = runners.get()
+    status, base = _run_tests(root, first, target, None, timeout=1800)
+    runners.put(first)
     if status != "survived":
         raise SystemExit(f"{target.module}: the unmutated tests fail ({' '.join(target.tests)})")
     timeout = max(60.0, 4 * base)
     log(f"{target.module}: {len(found)} mutants, tests take {base:.1f} s (timeout {timeout:.0f} s)")
 
+    done = itertools.count(1)
+
     def one(m: Mutant) -> Outcome:
         if (target.module, m.name) in equivalents:
             return Outcome(m, "equivalent", 0.0)
-        st, secs = _run_tests(root, target, m.source, timeout)
+        runner = runners.get()
+        try:
+            st, secs = _run_tests(root, runner, target, m.source, timeout)
+        finally:
+            runners.put(runner)
         if st == "survived":
             log(f"  survived {m.line}:{m.col} {m.name}")
+        if (n := next(done)) % 25 == 0:
+            log(f"  {n} run")
         return Outcome(m, st, secs)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         outcomes = list(pool.map(one, found))
+    while not runners.empty():
+        runners.get().close()
     names = {m.name for m in found}
     stale = sorted(n for (mod, n) in equivalents if mod == target.module and n not in names)
     return {
@@ -438,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
     parser.add_argument("--only", nargs="*", default=[], help="module paths, e.g. kv_store/codec.py")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the report from the saved results")
     parser.add_argument("--check", action="store_true", help=f"exit 1 when a module scores below {TARGET_SCORE:g} %%")
     args = parser.parse_args(argv)
     targets = [t for t in TARGETS if not args.only or t.module in args.only]
@@ -451,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{t.module}:{m.line}:{m.col}: {m.name}{mark}")
         return 0
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    for t in targets:
+    for t in [] if args.report_only else targets:
         result = run_target(ROOT, t, args.jobs, equivalents)
         (RESULTS_DIR / (t.module.replace("/", "__") + ".json")).write_text(json.dumps(result, indent=1))
     results = []
