@@ -255,3 +255,14 @@ def test_expected_done_count_defaults():
     assert expected_done_count(PrefillRank(1), prefill, decode, 1) == 0
     assert expected_done_count(PrefillRank(1), prefill, decode, 1, seed=1) == 1
     assert expected_done_count(PrefillRank(0), prefill, decode, 1, skip_blocks=1) == 0
+
+
+@pytest.mark.parametrize(("p_tp", "heads", "d_tp"), [(4, 6, 1), (1, 3, 2)])
+def test_heads_that_do_not_divide_are_refused_with_nothing_to_pull(p_tp, heads, d_tp):
+    # No block to read (all cached, or an empty request): the layout is still refused, not planned as
+    # "nobody reads".
+    prefill, decode = PrefillLayout(tp_size=p_tp, total_kv_heads=heads), DecodeLayout(tp_size=d_tp)
+    with pytest.raises(PlanError):
+        _pulls(prefill, decode, blocks=0)
+    with pytest.raises(PlanError):
+        readers_per_prefill_rank(prefill, decode, 2, skip_blocks=2)
