@@ -306,3 +306,24 @@ def test_only_an_expiry_is_logged_as_a_warning(tracker, caplog):
         tracker.abort("stopped")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "gone" in warnings[0] and "expired" in warnings[0]
+
+
+def test_renewing_the_hold_renews_the_leases_an_abort_waits_for(tracker, clock, freed):
+    tracker.hold("r", 2, ttl_s=10)
+    tracker.begin_read("r", "a", lease_s=1)
+    clock.now = T0 + 5
+    tracker.renew("r", 30)  # the reader's lease too: until T0 + 35
+    clock.now = T0 + 34
+    assert tracker.abort("r") is False  # the reader is still in flight
+    assert freed == []
+    clock.now = T0 + 35
+    assert tracker.abort("r") is True
+
+
+def test_renewing_a_hold_without_readers_moves_its_deadline(tracker, clock):
+    tracker.hold("r", 1, ttl_s=10)
+    clock.now = T0 + 5
+    assert tracker.renew("r", 30) is True  # until T0 + 35
+    assert tracker.renew("r", 1) is True  # never shortens
+    assert tracker.expire(T0 + 34.9) == []
+    assert tracker.expire(T0 + 35) == ["r"]
