@@ -5,6 +5,7 @@
     nox -s "tests-3.11(package='kv-mooncake')"
     nox -t e2e               # end-to-end sessions only
     nox -s bench             # benchmarks -> BENCHMARKS.md (never part of the default run)
+    nox -s mutation          # mutation run of the wrong-KV modules -> docs/mutation-report.md (slow)
 """
 
 from __future__ import annotations
@@ -145,3 +146,15 @@ def bench_ucm(session: nox.Session) -> None:
     session.install("matplotlib", "tqdm", "psutil", *_engine_args(session), *_install_ucm_args())
     session.install(_pkg("kv-common", "testing"), _pkg("kv-store"), _pkg("kv-ucm"))
     session.run("python", "-m", "benchmarks", "--only", "bench_ucm", "bench_ucm_store", "--append", *session.posargs, env=ENV)
+
+
+@nox.session(python="3.11")
+def mutation(session: nox.Session) -> None:
+    """Mutation testing of the modules that decide which bytes a request gets (scripts/mutation.py;
+    slow, never part of the default run). Arguments go to the tool: `nox -s mutation -- --jobs 4`,
+    `-- --only kv_store/codec.py`. Writes docs/mutation-report.md."""
+    session.install(
+        *TEST_TOOLS, "numpy", *_engine_args(session), _pkg("kv-common", "testing"),
+        _pkg("kv-mooncake", TEST_EXTRAS["kv-mooncake"]), _pkg("kv-store", TEST_EXTRAS["kv-store"]),
+    )
+    session.run("python", "scripts/mutation.py", *session.posargs, env=ENV)

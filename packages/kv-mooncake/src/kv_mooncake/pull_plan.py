@@ -120,14 +120,19 @@ def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int, use_mla: bool = 
     """(first global head, number of heads) held by ``tp_rank``."""
     if use_mla:
         return 0, 1
+    _check_heads_divide(total_heads, tp_size)
+    if total_heads >= tp_size:
+        per = total_heads // tp_size
+        return tp_rank * per, per
+    return tp_rank // (tp_size // total_heads), 1
+
+
+def _check_heads_divide(total_heads: int, tp_size: int) -> None:
     if total_heads >= tp_size:
         if total_heads % tp_size:
             raise PlanError(f"{total_heads} KV heads do not divide over TP {tp_size}")
-        per = total_heads // tp_size
-        return tp_rank * per, per
-    if tp_size % total_heads:
+    elif tp_size % total_heads:
         raise PlanError(f"TP {tp_size} is not a multiple of {total_heads} KV heads")
-    return tp_rank // (tp_size // total_heads), 1
 
 
 def _source_tp_rank(prefill: PrefillLayout, head: int, dcp_rank: int, decode_tp_rank: int, seed: int) -> int:
@@ -182,8 +187,8 @@ def validate(prefill: PrefillLayout, decode: DecodeLayout) -> None:
     if not prefill.use_mla:
         if prefill.total_kv_heads < 1:
             raise PlanError("total_kv_heads must be >= 1")
-        heads_of_rank(prefill.total_kv_heads, prefill.tp_size, 0)
-        heads_of_rank(prefill.total_kv_heads, decode.tp_size, 0)
+        _check_heads_divide(prefill.total_kv_heads, prefill.tp_size)
+        _check_heads_divide(prefill.total_kv_heads, decode.tp_size)
     if prefill.pcp_size > 1 and prefill.dcp_size > 1:
         raise PlanError(f"prefill: PCP {prefill.pcp_size} with DCP {prefill.dcp_size} (vLLM then shards "
                         "tokens over PCP and TP ranks together; only PCP without DCP is supported)")

@@ -76,7 +76,7 @@ def rank_tag(
 
 def _tags_by_tp_rank(
     *, tp_size: int, pcp_rank: int, pcp_size: int, dcp_size: int, use_mla: bool, total_kv_heads: int,
-    pp_rank: int = 0, pp_size: int = 1,
+    pp_rank: int, pp_size: int,
 ) -> list[str]:
     return [
         rank_tag(tp_rank=tp, tp_size=tp_size, pcp_rank=pcp_rank, pcp_size=pcp_size, dcp_rank=tp % dcp_size,

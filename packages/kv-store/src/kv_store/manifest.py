@@ -198,13 +198,14 @@ def layout_settings(
 
 def _read(backend: Backend, key: str, value_size: int) -> tuple[bool, bytes | None]:
     """(present, value). ``value`` None with present True: stored, but not readable at our size."""
-    if not backend.batch_exists([key])[0]:
+    (exists,) = backend.batch_exists([key])
+    if not exists:
         return False, None
     try:
-        value = backend.batch_get([key])[0]
+        (value,) = backend.batch_get([key])
     except NotImplementedError:
         buf = bytearray(value_size)
-        n = backend.batch_get_into([key], [memoryview(buf)])[0]
+        (n,) = backend.batch_get_into([key], [memoryview(buf)])
         value = bytes(buf[:n]) if n >= 0 else None
     return True, value
 
@@ -281,12 +282,13 @@ def check_with_deadline(
     thread.join(timeout_s if timeout_s > 0 else None)
     if not result:
         outcome = f"unverified: no answer from the store within {timeout_s:g} s"
-    elif isinstance(result[0], ManifestMismatch):
-        raise result[0]
-    elif isinstance(result[0], BaseException):
-        outcome = f"unverified: {type(result[0]).__name__}: {result[0]}"
     else:
-        return str(result[0])
+        (answer,) = result
+        if isinstance(answer, ManifestMismatch):
+            raise answer
+        if not isinstance(answer, BaseException):
+            return str(answer)
+        outcome = f"unverified: {type(answer).__name__}: {answer}"
     logger.warning(
         "%s: layout manifest not checked (%s); starting anyway, stored blocks are still length- and "
         "checksum-checked", where, outcome.removeprefix("unverified: "),

@@ -1,0 +1,53 @@
+"""The parallel layouts refused at start-up, each at its boundary (1 is served, 2 is refused), with the
+setting named. Written against the survivors of the mutation run (docs/mutation-report.md)."""
+
+from __future__ import annotations
+
+import pytest
+from kv_mooncake.fingerprint import unsupported_settings
+
+
+def fp(pp: int = 1, dcp: int = 1, pcp: int = 1, block: int = 16, interleave: int = 1) -> dict:
+    return {"pipeline_parallel_size": pp, "dcp_size": dcp, "pcp_size": pcp, "block_size": block,
+            "cp_kv_cache_interleave_size": interleave}
+
+
+@pytest.mark.parametrize("consumer", [False, True])
+def test_the_plain_layout_is_served(consumer):
+    assert unsupported_settings(fp(), is_consumer=consumer) == []
+
+
+@pytest.mark.parametrize("consumer", [False, True])
+def test_pipeline_parallelism_is_refused(consumer):
+    (problem,) = unsupported_settings(fp(pp=2), is_consumer=consumer)
+    assert problem.startswith("pipeline_parallel_size=2:")
+
+
+@pytest.mark.parametrize("consumer", [False, True])
+def test_dcp_needs_a_block_interleave(consumer):
+    (problem,) = unsupported_settings(fp(dcp=2, interleave=1), is_consumer=consumer)
+    assert "cp_kv_cache_interleave_size=1 with decode_context_parallel_size=2" in problem
+    assert "set cp_kv_cache_interleave_size=16" in problem
+    assert unsupported_settings(fp(dcp=2, interleave=16), is_consumer=consumer) == []
+    # Without DCP the interleave changes nothing.
+    assert unsupported_settings(fp(dcp=1, interleave=7), is_consumer=consumer) == []
+
+
+def test_pcp_with_dcp_is_refused():
+    (problem,) = unsupported_settings(fp(pcp=2, dcp=2, interleave=16), is_consumer=False)
+    assert problem.startswith("prefill_context_parallel_size=2 with decode_context_parallel_size=2")
+    assert unsupported_settings(fp(pcp=2), is_consumer=False) == []  # PCP alone, on a producer
+
+
+def test_pcp_on_a_consumer_is_refused():
+    (problem,) = unsupported_settings(fp(pcp=2), is_consumer=True)
+    assert problem.startswith("prefill_context_parallel_size=2 on a kv_consumer")
+    assert unsupported_settings(fp(pcp=1, dcp=2, interleave=16), is_consumer=True) == []
+
+
+def test_every_problem_is_listed():
+    problems = unsupported_settings(fp(pp=2, pcp=2, dcp=2, interleave=1), is_consumer=True)
+    assert [p.split("=")[0] for p in problems] == [
+        "pipeline_parallel_size", "cp_kv_cache_interleave_size", "prefill_context_parallel_size",
+        "prefill_context_parallel_size",
+    ]
