@@ -6,23 +6,28 @@ from __future__ import annotations
 import hashlib
 import re
 
+import msgspec
 from kv_mooncake.prompt_identity import prompt_digest, same_prompt
 
 
-def test_the_digest_is_128_bits_of_blake2b_over_little_endian_int64_ids():
+def test_the_digest_is_128_bits_of_blake2b_over_framed_little_endian_int64_ids():
     # Pinned so a prefill and a decode on hosts of another byte order (or version) agree.
     ids = [1, 2, 70000, -5]
     data = b"".join(i.to_bytes(8, "little", signed=True) for i in ids)
-    digest = prompt_digest(ids)
-    assert re.fullmatch(r"t1:[0-9a-f]{32}", digest)
-    assert digest == "t1:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+    identity = [("cache_salt", "s")]
+    digest = prompt_digest(ids, identity)
+    assert re.fullmatch(r"t2:[0-9a-f]{32}", digest)
+    framed = msgspec.msgpack.encode(["t2", data, [["cache_salt", "s"]]])
+    assert digest == "t2:" + hashlib.blake2b(framed, digest_size=16).hexdigest()
+    assert prompt_digest(ids) != digest  # the identity keys count
 
 
 def test_only_an_equal_digest_of_the_same_prompt_is_trusted():
     ids = [5, 6, 7]
-    assert same_prompt(prompt_digest(ids), ids) is True
-    assert same_prompt(prompt_digest(ids), iter(ids)) is True
-    assert same_prompt(prompt_digest(ids), [5, 7, 6]) is False
-    assert same_prompt(None, ids) is False
+    assert same_prompt(prompt_digest(ids), prompt_digest(ids)) is True
+    assert same_prompt(prompt_digest(ids), prompt_digest(iter(ids))) is True
+    assert same_prompt(prompt_digest(ids), prompt_digest([5, 7, 6])) is False
+    assert same_prompt(None, prompt_digest(ids)) is False
+    assert same_prompt("", "") is False
     assert same_prompt(prompt_digest(ids), None) is False
-    assert same_prompt(123, ids) is False  # type: ignore[arg-type]
+    assert same_prompt(123, prompt_digest(ids)) is False  # type: ignore[arg-type]
