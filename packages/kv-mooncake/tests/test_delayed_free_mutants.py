@@ -327,3 +327,24 @@ def test_renewing_a_hold_without_readers_moves_its_deadline(tracker, clock):
     assert tracker.renew("r", 1) is True  # never shortens
     assert tracker.expire(T0 + 34.9) == []
     assert tracker.expire(T0 + 35) == ["r"]
+
+
+def test_a_read_of_a_request_not_held_did_not_hold_throughout(tracker):
+    assert tracker.end_read("never-held", "a") == (False, False)
+
+
+def test_end_read_says_whether_the_readers_lease_held(tracker, freed):
+    tracker.hold("r", 2, ttl_s=10)
+    assert tracker.begin_read("r", "a", lease_s=5)
+    assert tracker.end_read("r", "a") == (True, False)  # began under a lease: read throughout
+    assert tracker.end_read("r", "b") == (False, True)  # never began: nothing vouches for its read
+    assert freed == [("r", "done")]
+
+
+def test_held_again_with_other_blocks_voids_the_reads_in_flight(tracker):
+    tracker.hold("r", 2, ttl_s=10, blocks=HeldBlocks(2, frozenset({1, 2})))
+    assert tracker.begin_read("r", "a", lease_s=5) and tracker.begin_read("r", "b", lease_s=5)
+    tracker.hold("r", 2, ttl_s=10, blocks=HeldBlocks(2, frozenset({1, 2})))  # the same blocks
+    assert tracker.end_read("r", "a").held_throughout is True
+    tracker.hold("r", 2, ttl_s=10, blocks=HeldBlocks(2, frozenset({3, 4})))  # other blocks now
+    assert tracker.end_read("r", "b").held_throughout is False

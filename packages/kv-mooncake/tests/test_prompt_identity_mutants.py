@@ -31,3 +31,16 @@ def test_only_an_equal_digest_of_the_same_prompt_is_trusted():
     assert same_prompt("", "") is False
     assert same_prompt(prompt_digest(ids), None) is False
     assert same_prompt(123, prompt_digest(ids)) is False  # type: ignore[arg-type]
+
+
+def test_a_lora_adapter_is_named_by_its_path_too():
+    from types import SimpleNamespace
+
+    from kv_mooncake.prompt_identity import request_digest
+
+    def request(path: str) -> SimpleNamespace:
+        lora = SimpleNamespace(lora_name="adapter", lora_path=path)
+        return SimpleNamespace(prompt_token_ids=[1, 2, 3], lora_request=lora, mm_features=None, cache_salt=None)
+
+    assert request_digest(request("/adapters/v1")) != request_digest(request("/adapters/v2"))
+    assert request_digest(request("/adapters/v1")) == request_digest(request("/adapters/v1"))
