@@ -16,6 +16,7 @@ pytest.importorskip("mooncake.engine")
 from kv_common.testing.ports import free_port  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource  # noqa: E402
+from kv_mooncake.side_channel import SideChannelError  # noqa: E402
 from kv_mooncake.worker import LocalCache, MooncakeWorker  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -235,7 +236,15 @@ def test_a_prefill_restarted_with_another_layout_is_handshaken_again():
         errors, _ = _wait_pulled(decode, "a")
         assert errors == set() and decode.block(0, 10) == first.block(0, 3)
         first.worker.close()  # restart: same engine id, port and TE, another layout
-        second = Instance(cfg, producer=True, seed=14, port=port, engine=engine, num_blocks=NUM_BLOCKS // 2)
+        # ZMQ unbinds the closed socket on its I/O thread, a moment after close(): rebind until free.
+        rebind_deadline = time.monotonic() + 10.0
+        while second is None:
+            try:
+                second = Instance(cfg, producer=True, seed=14, port=port, engine=engine, num_blocks=NUM_BLOCKS // 2)
+            except SideChannelError:
+                if time.monotonic() > rebind_deadline:
+                    raise
+                time.sleep(0.1)
         second.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="b", num_blocks=1, block_ids=[3])]))
         decode.worker.start_step(MooncakeStep(pulls=[_pull("b", port, [3], [11])]))
         errors, _ = _wait_pulled(decode, "b")
