@@ -44,3 +44,15 @@ def test_a_lora_adapter_is_named_by_its_path_too():
 
     assert request_digest(request("/adapters/v1")) != request_digest(request("/adapters/v2"))
     assert request_digest(request("/adapters/v1")) == request_digest(request("/adapters/v1"))
+
+
+def test_a_prompt_given_as_embeddings_has_no_digest():
+    from types import SimpleNamespace
+
+    from kv_mooncake.prompt_identity import request_digest
+
+    # Embeddings beside token ids (placeholders) or instead of them: never pulled.
+    assert request_digest(SimpleNamespace(prompt_token_ids=[1, 2], prompt_embeds=object())) is None
+    assert request_digest(SimpleNamespace(prompt_token_ids=None, prompt_embeds=object())) is None
+    assert request_digest(SimpleNamespace(prompt_token_ids=None)) is None
+    assert request_digest(SimpleNamespace(prompt_token_ids=[1, 2])) == prompt_digest([1, 2])
