@@ -57,6 +57,7 @@ MAX_TOKENS = 8
 PULL_TIMEOUT_S = 10.0  # the decode's (test only): the cut test waits this long
 START_TIMEOUT_S = 900.0  # a shared machine under load (load average 30) took 7+ minutes to start them
 REQUEST_TIMEOUT_S = 240.0
+SECRET = "test-hosts-shared-secret-0123456789"  # as the README's `export KV_SECRET=...`
 FREED_WITHIN_S = 60.0  # sized for the machines' 35-90 s vCPU stalls
 PORTS = {"prefill": 8100, "decode": 8200, "proxy": 8000, "proxy2": 8001, "store": 8300, "kv": 30000,
          "master_metrics": 9003}
@@ -155,6 +156,9 @@ def cluster():
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         base_env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         base_env.pop("VLLM_HOST_IP", None)  # each host finds its own address
+        # Side channels beyond loopback: the README's shared secret on every host, and here for the
+        # leak queries (answered only to loopback or authenticated peers; query_leaks reads KV_SECRET).
+        base_env["KV_SECRET"] = os.environ["KV_SECRET"] = SECRET
 
         def env(core: str, **more: str) -> dict[str, str]:
             return {**base_env, "VLLM_CPU_OMP_THREADS_BIND": core, **more}
@@ -186,6 +190,7 @@ def cluster():
         yield {"net": net, "hosts": hosts, "ip": ip, "procs": procs, "reference": reference, "model": str(model),
                "scripts": scripts}
     finally:
+        os.environ.pop("KV_SECRET", None)
         closers = [threading.Thread(target=net.close), threading.Thread(target=reference.close)]
         for t in closers:
             t.start()
