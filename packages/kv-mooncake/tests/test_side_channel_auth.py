@@ -350,16 +350,22 @@ def test_a_pull_between_two_workers_with_the_same_secret(monkeypatch):
         prefill.worker.close()
 
 
-@pytest.mark.parametrize("secret_on", ["prefill", "decode"])
-def test_a_secret_on_one_side_only_fails_that_pull_alone_with_a_clear_message(secret_on, monkeypatch, caplog):
+def _one_side_with_a_secret(secret_on: str, lease_s: float, monkeypatch):
+    """A prefill and a decode, the secret on ``secret_on`` only; the prefill holds request r."""
     monkeypatch.delenv("KV_SECRET", raising=False)
     monkeypatch.setenv("KV_TEST_SECRET", SECRET)
-    with_secret = MooncakeConfig(pull_timeout_s=5.0, lease_s=0.5, side_channel_secret_env="KV_TEST_SECRET")
-    without = MooncakeConfig(pull_timeout_s=5.0, lease_s=0.5)
+    with_secret = MooncakeConfig(pull_timeout_s=5.0, lease_s=lease_s, side_channel_secret_env="KV_TEST_SECRET")
+    without = MooncakeConfig(pull_timeout_s=5.0, lease_s=lease_s)
     prefill, decode = _instances(with_secret if secret_on == "prefill" else without,
                                  with_secret if secret_on == "decode" else without)
+    prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[1, 2])]))
+    return prefill, decode
+
+
+@pytest.mark.parametrize("secret_on", ["prefill", "decode"])
+def test_a_secret_on_one_side_only_fails_that_pull_alone_with_a_clear_message(secret_on, monkeypatch, caplog):
+    prefill, decode = _one_side_with_a_secret(secret_on, 0.5, monkeypatch)
     try:
-        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[1, 2])]))
         with caplog.at_level(logging.WARNING):
             t0 = time.monotonic()
             assert _pull_and_wait(decode, prefill, "r", [1, 2], [5, 6]) == {5, 6}  # a load error, not a hang
@@ -419,14 +425,8 @@ def test_a_refusal_for_the_secret_is_not_retried(secret_on, monkeypatch, caplog)
     """Secrets that differ never start to match: the decode's DONE / FreeNow to that prefill gives
     up at the first refusal instead of retrying for ``lease_s`` (a notifier thread tied up for a
     lease per message delays every other request's DONE)."""
-    monkeypatch.delenv("KV_SECRET", raising=False)
-    monkeypatch.setenv("KV_TEST_SECRET", SECRET)
-    with_secret = MooncakeConfig(pull_timeout_s=5.0, lease_s=20.0, side_channel_secret_env="KV_TEST_SECRET")
-    without = MooncakeConfig(pull_timeout_s=5.0, lease_s=20.0)
-    prefill, decode = _instances(with_secret if secret_on == "prefill" else without,
-                                 with_secret if secret_on == "decode" else without)
+    prefill, decode = _one_side_with_a_secret(secret_on, 20.0, monkeypatch)
     try:
-        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[1, 2])]))
         with caplog.at_level(logging.WARNING):
             t0 = time.monotonic()
             assert _pull_and_wait(decode, prefill, "r", [1, 2], [5, 6]) == {5, 6}
