@@ -81,7 +81,7 @@ def baseline_tokens(tiny_model, prompts):
     return turn1
 
 
-def mooncake_leaks(port: int, timeout_s: float = 30.0) -> dict:
+def mooncake_leaks(port: int, timeout_s: float = 30.0, host: str = "127.0.0.1") -> dict:
     """A MooncakeConnectorV1 rank's leak report (``kv_mooncake.worker.query_leaks``). A prefill
     whose engine loop spins while it holds blocks may answer its side channel late on a loaded
     machine: ask again until ``timeout_s`` rather than fail the test on one late answer."""
@@ -91,7 +91,7 @@ def mooncake_leaks(port: int, timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return query_leaks(f"127.0.0.1:{port}", timeout_s=2.0)
+            return query_leaks(f"{host}:{port}", timeout_s=2.0)
         except SideChannelTimeout:
             if time.monotonic() > deadline:
                 raise

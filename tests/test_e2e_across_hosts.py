@@ -40,6 +40,7 @@ pytest.importorskip("mooncake.store")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from conftest import mooncake_leaks  # noqa: E402
 from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.netns import HostProcess, TestNetwork  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
@@ -239,16 +240,7 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 
 
 def leaks(address: str, timeout_s: float = 30.0) -> dict:
-    from kv_mooncake.side_channel import SideChannelTimeout
-    from kv_mooncake.worker import query_leaks
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return query_leaks(f"{address}:{PORTS['kv']}", timeout_s=2.0)
-        except SideChannelTimeout:
-            if time.monotonic() > deadline:
-                raise
+    return mooncake_leaks(PORTS["kv"], timeout_s=timeout_s, host=address)
 
 
 def assert_nothing_held(address: str, timeout_s: float = FREED_WITHIN_S) -> float:
