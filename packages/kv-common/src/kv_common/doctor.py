@@ -13,7 +13,9 @@ check finds a problem:
   free on the configured host, peers and the Mooncake master accept a TCP connection within a short
   deadline, store directories are writable, the engines the config needs import; a listener that
   answers any peer (no shared secret) and binds beyond loopback is a warning;
-- engines installed: Mooncake's TransferEngine and Store, UCM (information unless a config needs them).
+- engines installed: Mooncake's TransferEngine and Store, UCM (information unless a config needs them);
+- the Mooncake build (``kv_common.mooncake_build``): which distribution provides the ``mooncake``
+  module (two together is a problem) and whether it fits the device vLLM runs on (a warning).
 
 Import-light like the registry: no vLLM unless asked to show name owners, no connector package
 imported except through the ``config_parser`` string.
@@ -36,6 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kv_common import mooncake_build
 from kv_common.registry import ConnectorSpec, discover_connectors, name_owners
 
 OK, PROBLEM, INFO = "ok", "problem", "info"
@@ -72,6 +75,9 @@ class Preflight:
     # (host, port, what) of listeners that will answer any peer (no shared secret): a warning
     # unless bound to loopback only.
     unauthenticated_binds: list[tuple[str, int, str]] = field(default_factory=list)
+    # What in this config runs on Mooncake (e.g. "Mooncake TransferEngine"): the installed Mooncake
+    # build is named under the config's section and checked against the device (kv_common.mooncake_build).
+    mooncake_build: str = ""
 
 
 @dataclass(frozen=True)
@@ -399,6 +405,9 @@ def run_preflight(report: Report, section: str, plan: Preflight, timeout_s: floa
         if beyond_loopback(host):
             report.add(section, WARN, f"{what}: {host}:{port} listens beyond loopback and answers any peer (no "
                                       "shared secret): keep it on a private network, or set a secret")
+    if plan.mooncake_build:
+        for status, detail in mooncake_build.check():
+            report.add(section, status, f"{plan.mooncake_build}: {detail}")
     for path, what in plan.writable_dirs:
         why = dir_writable(path)
         report.add(section, OK if why is None else PROBLEM,
@@ -427,6 +436,8 @@ def check_engines(report: Report) -> None:
         name = f"{module}.{attribute}" if attribute else module
         report.add("engines", INFO if why else OK,
                    f"{what}: {name} " + ("imports" if why is None else f"not importable ({why})"))
+    for status, detail in mooncake_build.check():
+        report.add("mooncake build", status, detail)
 
 
 def parse_peer(text: str) -> tuple[str, int]:

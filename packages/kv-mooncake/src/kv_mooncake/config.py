@@ -125,7 +125,8 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
     base = config.side_channel_port if config.side_channel_port is not None else int(ktc["kv_port"])
     # One side-channel port per worker rank (DP rank r adds r * world size, not known here).
     ranks = (config.prefill.tp_size if producer and config.prefill and config.prefill.tp_size else 1)
-    plan = Preflight(modules=[("mooncake.engine", "TransferEngine", "Mooncake TransferEngine")])
+    plan = Preflight(modules=[("mooncake.engine", "TransferEngine", "Mooncake TransferEngine")],
+                     mooncake_build="Mooncake TransferEngine")
     from kv_mooncake.declared_layout import start_up_contradictions
 
     # Without the engine's own layout only the role-independent refusals can be known here.

@@ -223,7 +223,7 @@ def _preflight(config: StoreConfig) -> Any:
 
     from kv_common.doctor import Preflight
 
-    plan = Preflight()
+    plan = Preflight(mooncake_build="backend 'mooncake'" if config.backend == "mooncake" else "")
     if config.backend == "embedded":
         plan.writable_dirs.append((config.embedded.spill_dir or default_spill_dir(), "embedded backend spill_dir"))
     elif config.backend == "mooncake":
