@@ -35,7 +35,7 @@ CPU_EXCLUDES = "constraints/cpu-excludes.txt"
 TORCH_PY312 = "constraints/torch-py312.txt"
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6", "psutil>=5.9", "pytest-timeout"]
 # Extras that bring each package's engine for tests on this CPU machine.
-TEST_EXTRAS = {"kv-common": "testing", "kv-mooncake": "cpu,proxy,test", "kv-store": "mooncake,test", "kv-ucm": "test"}
+TEST_EXTRAS = {"kv-common": "testing", "kv-mooncake": "cpu,proxy,test", "kv-store": "cpu,test", "kv-ucm": "test"}
 
 ENV = {
     "MC_LOG_LEVEL": "ERROR",
@@ -98,7 +98,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 
 def _all_packages() -> list[str]:
-    return [_pkg("kv-common", "testing"), _pkg("kv-mooncake", "cpu,proxy"), _pkg("kv-store", "mooncake"), _pkg("kv-ucm")]
+    return [_pkg("kv-common", "testing"), _pkg("kv-mooncake", "cpu,proxy"), _pkg("kv-store", "cpu"), _pkg("kv-ucm")]
 
 
 @nox.session(python="3.11", name="e2e-3.11", tags=["e2e"])

@@ -66,7 +66,7 @@ def _master():
     from kv_store.testing import MooncakeMaster
 
     if MooncakeMaster.executable() is None:
-        pytest.skip("mooncake_master not installed (pip install kv-store[mooncake])")
+        pytest.skip("mooncake_master not installed (pip install kv-store[cpu])")
     return MooncakeMaster().__enter__()  # stopped in Fleet.close
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -38,3 +39,35 @@ def test_typed_and_licensed(dist, module):
     for license_file in (pkg / "LICENSE", ROOT / "LICENSE"):
         text = license_file.read_text()
         assert "Apache License" in text and "Version 2.0, January 2004" in text
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[\s;<>=!~\[]", requirement, maxsplit=1)[0]
+
+
+@pytest.mark.parametrize("dist", ["kv-mooncake", "kv-store"])
+def test_one_extra_per_device_names_mooncakes_build_for_it(dist):
+    """`cpu`, `cuda`, `cuda13`, `npu`: each names exactly one Mooncake build, the one the doctor
+    (kv_common.mooncake_build) says fits that device; no other extra names a build, so no install
+    line brings two (they overwrite each other's `mooncake` module)."""
+    from kv_common.mooncake_build import BUILDS, EXTRA_FOR_DEVICE, canonical
+
+    extras = tomllib.loads((ROOT / "packages" / dist / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for device, extra in EXTRA_FOR_DEVICE.items():
+        builds = [canonical(_requirement_name(r)) for r in extras[extra] if canonical(_requirement_name(r)) in BUILDS]
+        assert len(builds) == 1 and BUILDS[builds[0]] == device, (extra, extras[extra])
+        assert not any(";" in r for r in extras[extra]), "a device's build is never limited to one platform"
+    for extra, requirements in extras.items():
+        if extra not in EXTRA_FOR_DEVICE.values():
+            assert not [r for r in requirements if canonical(_requirement_name(r)) in BUILDS], (extra, requirements)
+
+
+def test_this_venv_holds_one_mooncake_build_and_it_fits():
+    """What the doctor says about the test venv itself: the CPU build alone (nox installs it)."""
+    from kv_common import mooncake_build
+
+    if not mooncake_build.installed_builds():
+        pytest.skip("needs Mooncake installed")
+    [(status, detail)] = mooncake_build.check()
+    assert status == "ok", detail
+    assert detail.startswith("mooncake-transfer-engine-non-cuda ")

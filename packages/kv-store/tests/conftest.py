@@ -17,7 +17,7 @@ def mooncake_master():
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if MooncakeMaster.executable() is None:
-        pytest.skip("mooncake_master not installed (pip install kv-store[mooncake])")
+        pytest.skip("mooncake_master not installed (pip install kv-store[cpu])")
     with MooncakeMaster() as master:
         try:
             yield master

@@ -15,9 +15,10 @@ from kv_common.logging_utils import get_logger
 logger = get_logger(__name__)
 
 _INSTALL_HINT = (
-    "the Mooncake TransferEngine cannot be imported ({exc}). On CPU: "
-    "pip install 'kv-mooncake[cpu]' (mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1; "
-    "on GPU/NPU machines install the Mooncake build for that device."
+    "the Mooncake TransferEngine cannot be imported ({exc}). Install the Mooncake build for this device, "
+    "one of them only: pip install 'kv-mooncake[cpu]' (CPU, plus apt-get install libibverbs1), "
+    "'kv-mooncake[cuda]' (CUDA 12), 'kv-mooncake[cuda13]' or 'kv-mooncake[npu]'; "
+    "python -m kv_common doctor names the build installed."
 )
 
 
