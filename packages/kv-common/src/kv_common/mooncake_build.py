@@ -2,7 +2,7 @@
 
 Mooncake ships one wheel per device; each provides the same top-level ``mooncake`` module, so two
 installed together overwrite each other's files (whichever came last wins, silently). The build must
-match the device: the non-CUDA wheel cannot register GPU memory (TCP from host memory only), a CUDA
+match the device: the non-CUDA wheel is built without CUDA (a GPU user gets TCP only), a CUDA
 wheel does not import without ``libcuda.so.1``, the Ascend wheel needs torch_npu and CANN.
 
 Import-light (no torch, no mooncake): ``python -m kv_common doctor`` and the connectors'
@@ -158,8 +158,8 @@ def _mismatch(build: MooncakeBuild, facts: DeviceFacts, wanted: str) -> str | No
     if kind == "npu" and not facts.torch_npu:
         return "the Ascend build needs torch_npu and the CANN runtime, and torch_npu does not import here"
     if facts.device == "cuda" and kind == "cpu":
-        return ("the non-CUDA build cannot register GPU memory: it moves host memory over TCP only, and vLLM's "
-                "KV cache lives in GPU memory here")
+        return ("the non-CUDA build is built without CUDA (TCP only), and vLLM's KV cache lives in GPU memory "
+                "here")
     if facts.device != "cuda" and kind in ("cuda", "cuda13"):
         return f"a CUDA build needs libcuda.so.1 and a GPU, and vLLM runs on {facts.device} here"
     if kind in ("cuda", "cuda13") and kind != wanted:
