@@ -4,8 +4,6 @@ tensors whose sliding-window group holds the null block."""
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +18,9 @@ from kv_common.kv_cache_groups import FULL, SLIDING_WINDOW, KVGroup, Unsupported
 from kv_store import group_blocks
 from kv_store.config import StoreConnectorConfig
 from kv_store.group_worker import GroupedStoreWorker
-from kv_store.metadata import StorePlan
 from kv_store.scheduler import StoreScheduler
 from kv_store.worker import StoreWorker
+from test_store_scheduler_worker import FakeRequest
 
 BS = 4
 
@@ -61,22 +59,24 @@ def test_hit_blocks_against_token_oracle(window, first, extra, data):
 
     want = max((m - first for m in range(first + 1, end + 1) if loadable(m)), default=0)
     assert group_blocks.hit_blocks(groups, present, first, end, BS) == want
-    for g, group in enumerate(groups):
+    for group in groups:
         lo, hi = group_blocks.hit_range(group, first, end, BS)
         assert set(range(lo, hi)) == {k for k in needed_by_tokens(group.kind, window, end * BS) if k >= first}
 
 
 # ---- against vLLM's own allocator --------------------------------------------------------------
-vllm_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+def iface():
+    """vLLM's spec classes (the tests that need vLLM skip without it)."""
+    return pytest.importorskip("vllm.v1.kv_cache_interface")
 
 
 def vllm_manager(window: int):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     spec = dict(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    cfg = vllm_iface.KVCacheConfig(num_blocks=128, kv_cache_tensors=[], kv_cache_groups=[
-        vllm_iface.KVCacheGroupSpec(["l0"], vllm_iface.FullAttentionSpec(**spec)),
-        vllm_iface.KVCacheGroupSpec(["l1"], vllm_iface.SlidingWindowSpec(**spec, sliding_window=window)),
+    cfg = iface().KVCacheConfig(num_blocks=128, kv_cache_tensors=[], kv_cache_groups=[
+        iface().KVCacheGroupSpec(["l0"], iface().FullAttentionSpec(**spec)),
+        iface().KVCacheGroupSpec(["l1"], iface().SlidingWindowSpec(**spec, sliding_window=window)),
     ])
     return KVCacheManager(cfg, max_model_len=512, scheduler_block_size=BS, hash_block_size=BS, enable_caching=True)
 
@@ -140,20 +140,20 @@ def test_save_range_is_what_vllm_still_holds_in_the_step(window):
 
 # ---- start-up refusals ---------------------------------------------------------------------------
 def kv_config(*specs):
-    return vllm_iface.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        vllm_iface.KVCacheGroupSpec([f"model.layers.{i}.attn"], spec) for i, spec in enumerate(specs)])
+    return iface().KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        iface().KVCacheGroupSpec([f"model.layers.{i}.attn"], spec) for i, spec in enumerate(specs)])
 
 
 def attention(block_size: int = 16, window: int | None = None):
     spec = dict(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    return (vllm_iface.SlidingWindowSpec(**spec, sliding_window=window) if window
-            else vllm_iface.FullAttentionSpec(**spec))
+    return (iface().SlidingWindowSpec(**spec, sliding_window=window) if window
+            else iface().FullAttentionSpec(**spec))
 
 
 def test_state_group_refused_at_start_up():
     from kv_store.connector_base import hybrid_groups
 
-    mamba = vllm_iface.MambaSpec(block_size=16, shapes=((2, 8), (4, 8)), dtypes=(torch.float32, torch.float32))
+    mamba = iface().MambaSpec(block_size=16, shapes=((2, 8), (4, 8)), dtypes=(torch.float32, torch.float32))
     with pytest.raises(UnsupportedKVGroup) as err:
         hybrid_groups(kv_config(attention(), mamba), "AscendStoreConnector", block_size=16, dcp_size=1)
     text = str(err.value)
@@ -175,29 +175,9 @@ def test_group_layouts_refused_or_kept():
 
 
 # ---- a round trip: scheduler and grouped worker over real tensors and an embedded store ----------
-def chain(tokens):
-    out, parent = [], b""
-    for i in range(len(tokens) // BS):
-        parent = hashlib.sha256(parent + repr(tokens[i * BS : (i + 1) * BS]).encode()).digest()
-        out.append(parent)
-    return out
+class FakeGroupBlocks:
+    """vLLM's KVCacheBlocks with one block list per group."""
 
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    tokens: list[int]
-    block_hashes: list[bytes] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.block_hashes = chain(self.tokens)
-
-    @property
-    def num_tokens(self):
-        return len(self.tokens)
-
-
-class FakeBlocks:
     def __init__(self, ids):
         self.ids = ids
 
@@ -263,7 +243,7 @@ def test_round_trip_loads_every_group_and_never_the_null_block():
         req = FakeRequest("r", tokens)
         # A computes the whole prompt in one step: blocks 1..6 in both groups
         a_ids = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
-        a.scheduler.update_state_after_alloc(req, FakeBlocks(a_ids), 0)
+        a.scheduler.update_state_after_alloc(req, FakeGroupBlocks(a_ids), 0)
         plan = a.scheduler.build_plan(step_output(req, a_ids, 0, len(tokens)))
         assert sorted((t.group, len(t.block_hashes)) for t in plan.saves) == [(0, 5), (1, 5)]
         a.worker.submit_saves(plan)
@@ -273,7 +253,7 @@ def test_round_trip_loads_every_group_and_never_the_null_block():
         tokens_b, loadable = b.scheduler.get_num_new_matched_tokens(req, 0)
         assert (tokens_b, loadable) == (20, True)
         b_ids = ([2, 3, 4, 5, 6, 7], [0, 0, 0, 9, 10, 11])
-        b.scheduler.update_state_after_alloc(req, FakeBlocks(b_ids), 20)
+        b.scheduler.update_state_after_alloc(req, FakeGroupBlocks(b_ids), 20)
         load = b.scheduler.build_plan(step_output(req, b_ids, 0, 3))
         assert sorted((t.group, t.block_ids[0]) for t in load.loads) == [(0, [2, 3, 4, 5, 6]), (1, [9, 10])]
         b.worker.start_async(load)
@@ -298,7 +278,7 @@ def test_window_blocks_missing_shorten_the_hit_and_a_bad_one_fails_the_request()
     try:
         req = FakeRequest("r", list(range(23)))
         a_ids = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
-        a.scheduler.update_state_after_alloc(req, FakeBlocks(a_ids), 0)
+        a.scheduler.update_state_after_alloc(req, FakeGroupBlocks(a_ids), 0)
         plan = a.scheduler.build_plan(step_output(req, a_ids, 0, 23))
         a.worker.submit_saves(plan)
         a.worker.wait_for_request_saves(["r"])
@@ -311,7 +291,7 @@ def test_window_blocks_missing_shorten_the_hit_and_a_bad_one_fails_the_request()
         backend.batch_remove([keys[0][1]])
         assert backend.batch_put([keys[0][1]], [moved]) == [True]
         b_ids = ([2, 3, 4, 5, 6, 7], [0, 0, 9, 10, 11, 12])  # 16 tokens, window 6: 2 null blocks
-        b.scheduler.update_state_after_alloc(req, FakeBlocks(b_ids), 16)
+        b.scheduler.update_state_after_alloc(req, FakeGroupBlocks(b_ids), 16)
         load = b.scheduler.build_plan(step_output(req, b_ids, 0, 7))
         assert sorted((t.group, t.block_ids[0]) for t in load.loads) == [(0, [2, 3, 4, 5]), (1, [9, 10])]
         b.worker.start_async(load)
