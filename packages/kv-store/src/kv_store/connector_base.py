@@ -275,7 +275,6 @@ class StoreConnectorBase(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: 
                     **_kv_heads(vllm_config, bool(fp["use_mla"])),
                 )
 
-            self._worker: StoreWorker | GroupedStoreWorker
             if self.groups:
                 self._worker = GroupedStoreWorker(self.groups, {
                     g.index: worker(group_blocks.group_tag(tag, g, len(self.groups)), dict.fromkeys(g.layer_names, 0))
