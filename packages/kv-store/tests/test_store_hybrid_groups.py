@@ -4,6 +4,7 @@ tensors whose sliding-window group holds the null block."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -226,7 +227,6 @@ class Side:
 
 
 def wait_loaded(side, req_id):
-    import time
 
     deadline = time.monotonic() + 10
     while req_id not in side.worker.take_finished_loads(set()):
@@ -301,3 +301,35 @@ def test_window_blocks_missing_shorten_the_hit_and_a_bad_one_fails_the_request()
     finally:
         a.close()
         b.close()
+
+
+class SlowPutBackend(EmbeddedBackend):
+    """The embedded store, every put 0.3 s late (a save outlasts the step that queued it)."""
+
+    def batch_put(self, keys, values):
+        time.sleep(0.3)
+        return super().batch_put(keys, values)
+
+    def batch_put_parts(self, keys, values):
+        time.sleep(0.3)
+        return super().batch_put_parts(keys, values)
+
+
+def test_window_saves_are_done_when_the_step_returns():
+    """vLLM frees a window's blocks while the request runs (to other requests): the window group's
+    save must not read them a step later. Full-attention saves stay in the background (vLLM holds
+    those blocks until the saves are reported)."""
+    backend = SlowPutBackend(capacity_bytes=64 << 20)
+    a = Side(backend, kv_caches(3))
+    try:
+        req = FakeRequest("r", list(range(23)))
+        ids = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
+        a.scheduler.update_state_after_alloc(req, FakeGroupBlocks(ids), 0)
+        a.worker.submit_saves(a.scheduler.build_plan(step_output(req, ids, 0, 23)))
+        window = a.worker.workers[1]
+        assert window.leak_report()["pending_saves"] == 0
+        assert all(backend.batch_exists(window.keys(req.block_hashes[:5])))
+        a.worker.wait_for_request_saves(["r"])
+        assert a.worker.get_finished({"r"}) == {"r"}  # over in every group: vLLM may free its blocks
+    finally:
+        a.close()
