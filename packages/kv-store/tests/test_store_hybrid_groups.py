@@ -333,3 +333,67 @@ def test_window_saves_are_done_when_the_step_returns():
         assert a.worker.get_finished({"r"}) == {"r"}  # over in every group: vLLM may free its blocks
     finally:
         a.close()
+
+
+# ---- the connector: SupportsHMA, refusals at construction, namespace, per-request load errors ----
+def hybrid_connector(kv_cache_config, role: str = "SCHEDULER"):
+    pytest.importorskip("vllm")
+    from kv_common.testing.fake_vllm_config import fake_vllm_config
+    from kv_common.vllm_compat import base_module
+    from kv_store.connector_base import StoreConnectorBase
+
+    class EmbeddedStoreConnector(StoreConnectorBase):
+        connector_name = "EmbeddedStoreConnector"
+
+        def make_backend(self, config, role):
+            return EmbeddedBackend(16 << 20)
+
+    config = fake_vllm_config(block_size=16)
+    config.kv_transfer_config = SimpleNamespace(kv_connector_extra_config={}, is_kv_consumer=True,
+                                                is_kv_producer=True, kv_load_failure_policy="recompute")
+    return EmbeddedStoreConnector(config, getattr(base_module().KVConnectorRole, role), kv_cache_config)
+
+
+def test_connector_is_hma_and_refuses_state_groups_at_construction():
+    from kv_common.vllm_compat import base_module
+
+    hybrid = hybrid_connector(kv_config(attention(), attention(window=64)))
+    single = hybrid_connector(kv_config(attention()))
+    try:
+        assert isinstance(hybrid, base_module().SupportsHMA)
+        assert hybrid.store_config.load_mode == "async"  # per-request load errors need an async load
+        assert single.store_config.load_mode == "sync" and single.groups == ()
+        assert hybrid.namespace != single.namespace  # other group layouts never share a value
+        other_window = hybrid_connector(kv_config(attention(), attention(window=32)))
+        assert other_window.namespace != hybrid.namespace
+        other_window.shutdown()
+    finally:
+        hybrid.shutdown()
+        single.shutdown()
+    mamba = iface().MambaSpec(block_size=16, shapes=((2, 8),), dtypes=(torch.float32,))
+    with pytest.raises(UnsupportedKVGroup, match="MambaSpec"):
+        hybrid_connector(kv_config(attention(), mamba))
+
+
+def test_connector_reports_a_failed_group_load_per_request_never_by_block_id():
+    """vLLM refuses block ids of several groups (its scheduler raises): a load that failed in one
+    group fails the request (failed_recving), which vLLM recomputes."""
+    from kv_store.metadata import BlockTransfer, StorePlan
+    from kv_store.vllm_metadata import StoreConnectorMetadata
+
+    worker = hybrid_connector(kv_config(attention(), attention(window=64)), role="WORKER")
+    try:
+        worker.register_kv_caches({f"model.layers.{i}.attn": torch.zeros((8, 4, 16, 64)) for i in range(2)})
+        # group 1's block is not in the store (gone since the lookup); group 0's is never asked for
+        missing = [BlockTransfer(request_id="r", block_hashes=[bytes(32)], block_ids=[[3]], group=g) for g in (0, 1)]
+        worker.bind_connector_metadata(StoreConnectorMetadata(StorePlan(loads=missing)))
+        deadline = time.monotonic() + 10
+        results = worker.get_transfer_results(set())
+        while "r" not in results.finished_recving:
+            assert time.monotonic() < deadline, "the failed load was never reported"
+            time.sleep(0.01)
+            results = worker.get_transfer_results(set())
+        assert results.failed_recving == {"r"}
+        assert worker.get_block_ids_with_load_errors() == set()
+    finally:
+        worker.shutdown()
