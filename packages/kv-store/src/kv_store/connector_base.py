@@ -7,8 +7,14 @@ A concrete connector names itself, its config type and how to build its backend:
         config_type = StoreConfig
         def make_backend(self, config, role): return make_backend_from(config)
 
+Hybrid models (``SupportsHMA``): every KV-cache group vLLM hands over is stored, each group's
+blocks as values of their own (``group_blocks``, ``group_worker``); the group layouts are in the
+namespace digest and the manifest. State-space groups (Mamba and kin: one state per request, not
+per token block) are refused at start-up.
+
 Failure policy: a block missing or corrupt after a positive lookup is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes it. vLLM's own default
+``get_block_ids_with_load_errors`` and vLLM recomputes it (with several KV-cache groups: the whole
+request of an async load, through ``failed_recving``; vLLM takes no block ids then). vLLM's own default
 ``kv_load_failure_policy`` is "fail"; with ``load_failure_policy="recompute"`` (our default) the
 connector switches the scheduler to "recompute" so that a best-effort cache never fails a request.
 """
@@ -18,9 +24,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import msgspec
 from kv_common.backend import Backend
 from kv_common.config import parse_extra_config
 from kv_common.failure_ledger import FailureLedger
+from kv_common.kv_cache_groups import KVGroup, UnsupportedKVGroup, kv_groups, refuse_state_groups
 from kv_common.logging_utils import get_logger
 from kv_common.vllm_compat import (
     base_module,
@@ -30,11 +38,12 @@ from kv_common.vllm_compat import (
     parallel_ranks,
 )
 
-from kv_store import codec
+from kv_store import codec, group_blocks
 from kv_store import keys as keys_mod
 from kv_store import manifest as manifest_mod
 from kv_store.config import StoreConnectorConfig
 from kv_store.failure_policy import apply_recompute_policy
+from kv_store.group_worker import GroupedStoreWorker
 from kv_store.scheduler import StoreScheduler, hash_block_size
 from kv_store.stats import StoreStats, vllm_stats_class
 from kv_store.vllm_metadata import StoreConnectorMetadata, StoreWorkerMetadata
@@ -160,7 +169,28 @@ def _kv_heads(vllm_config: Any, use_mla: bool) -> dict[str, Any]:
     return {} if shape is None else {"kv_heads": shape[0], "head_size": shape[1], "use_mla": use_mla}
 
 
-class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined]  # vLLM's, at run time
+def hybrid_groups(kv_cache_config: Any, connector_name: str, *, block_size: int, dcp_size: int) -> tuple[KVGroup, ...]:
+    """vLLM's KV-cache groups when there are several (the hybrid manager is on), else (): one value
+    per block holds every layer, as before. Refused at start-up (``UnsupportedKVGroup``): state
+    groups, and groups whose block size is not the scheduler's (their block i would hold other
+    tokens than block hash i), or several groups under decode context parallelism."""
+    groups = kv_groups(kv_cache_config)
+    refuse_state_groups(groups, connector_name)
+    if len(groups) <= 1:
+        return ()
+    for g in groups:
+        if g.block_size != block_size:
+            raise UnsupportedKVGroup(
+                f"{connector_name}: KV-cache group {g.index} ({g.kind}) has block_size {g.block_size}, the "
+                f"cache's block_size is {block_size}: a store block must hold the same tokens in every group")
+    if dcp_size > 1:
+        raise UnsupportedKVGroup(
+            f"{connector_name}: {len(groups)} KV-cache groups with decode_context_parallel_size {dcp_size}: "
+            "supported with decode_context_parallel_size 1 only")
+    return groups
+
+
+class StoreConnectorBase(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: ignore[name-defined]  # vLLM's
     connector_name: str = "StoreConnector"
     config_type: type[StoreConnectorConfig] = StoreConnectorConfig
 
@@ -178,6 +208,17 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         save = cfg.save if cfg.save is not None else bool(ktc.is_kv_producer)
         fp = store_fingerprint(vllm_config)
         fp["value_seal"] = value_seal(cfg)
+        self.groups = hybrid_groups(kv_cache_config, self.connector_name, block_size=int(fp["block_size"]),
+                                    dcp_size=int(fp["dcp_size"]))
+        if self.groups:
+            # Instances with other group layouts never share a value (single group: as before).
+            fp["kv_groups"] = [g.describe() for g in self.groups]
+            if cfg.load_mode == "sync":
+                # vLLM takes load errors of several groups only per request, and only from an async
+                # load (failed_recving): a sync load could not report a bad block.
+                logger.info("%s: %d KV-cache groups: load_mode 'async' (was 'sync'), so that a failed "
+                            "load is recomputed", self.connector_name, len(self.groups))
+                cfg = self.store_config = msgspec.structs.replace(cfg, load_mode="async")
         # Values of another format (codec) are in another namespace: after an upgrade the old
         # blocks are misses, not a manifest that refuses the engine.
         fp["value_format"] = codec.VALUE_FORMAT
@@ -190,9 +231,10 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         self.block_size = int(fp["block_size"]) or 16
         self.stats = StoreStats()
         self.ledger = FailureLedger()
+        self._failed_loads: set[str] = set()  # several groups: async loads that failed, until reported
         self.backend = self.make_backend(cfg, role)
         self._scheduler: StoreScheduler | None = None
-        self._worker: StoreWorker | None = None
+        self._worker: StoreWorker | GroupedStoreWorker | None = None
         if role == _base.KVConnectorRole.SCHEDULER:
             warning = hash_seed_warning(str(fp.get("hash_algo", "")))
             if warning:
@@ -206,7 +248,7 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
             self._scheduler = StoreScheduler(
                 backend=self.backend, namespace=self.namespace, rank_tags=tags,
                 block_size=hash_block_size(self.block_size, fp["dcp_size"], kv_cache_config),
-                config=cfg, load_enabled=load, save_enabled=save, stats=self.stats,
+                config=cfg, load_enabled=load, save_enabled=save, stats=self.stats, groups=self.groups,
             )
         else:
             ranks = parallel_ranks()
@@ -225,11 +267,20 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
             for g, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
                 for name in group.layer_names:
                     groups[name] = g
-            self._worker = StoreWorker(
-                backend=self.backend, namespace=self.namespace, rank_tag=tag, config=cfg,
-                layer_groups=groups, stats=self.stats, ledger=self.ledger, writes_blocks=writes,
-                **_kv_heads(vllm_config, bool(fp["use_mla"])),
-            )
+
+            def worker(tag: str, layer_groups: dict[str, int]) -> StoreWorker:
+                return StoreWorker(
+                    backend=self.backend, namespace=self.namespace, rank_tag=tag, config=cfg,
+                    layer_groups=layer_groups, stats=self.stats, ledger=self.ledger, writes_blocks=writes,
+                    **_kv_heads(vllm_config, bool(fp["use_mla"])),
+                )
+
+            if self.groups:
+                self._worker = GroupedStoreWorker(self.groups, {
+                    g.index: worker(group_blocks.group_tag(tag, g, len(self.groups)), dict.fromkeys(g.layer_names, 0))
+                    for g in self.groups})
+            else:
+                self._worker = worker(tag, groups)
             self._layer_groups = groups
 
     def _apply_recompute_policy(self, ktc: Any) -> None:
@@ -260,21 +311,34 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         Raises ``ManifestMismatch`` (the engine refuses to start) naming each differing setting;
         a store that cannot answer within ``manifest_timeout_s`` skips the check (logged)."""
         assert self._worker is not None
-        worker = self._worker
-        layout = manifest_mod.layout_settings(kv_caches, self._layer_groups, block_size=self.block_size,
+        if isinstance(self._worker, GroupedStoreWorker):
+            # one manifest per group tag: its own layers and value size (every group's layout is in
+            # the fingerprint's kv_groups)
+            split = self._worker.split_kv_caches(kv_caches)
+            outcomes = [self._check_one_manifest(self._worker.workers[g.index], split[g.index],
+                                                 dict.fromkeys(g.layer_names, 0), {"kv_group": str(g.index)})
+                        for g in self.groups]
+            self.manifest_outcome = ", ".join(dict.fromkeys(outcomes))
+        else:
+            self.manifest_outcome = self._check_one_manifest(self._worker, kv_caches, self._layer_groups, {})
+        return self.manifest_outcome
+
+    def _check_one_manifest(self, worker: StoreWorker, kv_caches: dict[str, Any], layer_groups: dict[str, int],
+                            extra: dict[str, str]) -> str:
+        layout = manifest_mod.layout_settings(kv_caches, layer_groups, block_size=self.block_size,
                                               num_blocks=self._num_blocks or None)
         settings = manifest_settings(self.fingerprint, rank_tag=worker.rank_tag, value_size=worker.value_size,
-                                     layout=layout)
+                                     layout={**layout, **extra})
         where = (f"{self.connector_name}: store namespace {self.namespace!r} "
                  f"({'pinned' if self.store_config.namespace else 'derived'}), rank tag {worker.rank_tag!r},")
         mine = manifest_mod.make_manifest(settings)
         worker.layout_tag = manifest_mod.layout_tag(mine)  # before any value is sealed or checked
-        self.manifest_outcome = manifest_mod.check_with_deadline(
+        outcome = manifest_mod.check_with_deadline(
             self.backend, keys_mod.manifest_key(self.namespace, worker.rank_tag), mine, worker.value_size, where=where,
             timeout_s=self.store_config.manifest_timeout_s,
         )
-        logger.info("%s namespace manifest %s", where, self.manifest_outcome)
-        return self.manifest_outcome
+        logger.info("%s namespace manifest %s", where, outcome)
+        return outcome
 
     def _plan(self):
         meta = self._get_connector_metadata()
@@ -324,8 +388,23 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         loaded = self._worker.take_finished_loads(finished_req_ids)  # async loads, once each
         return (done or None), (loaded or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)
+        if self.groups and self._worker is not None:
+            # several groups: a failed async load is the whole request's (see the module doc)
+            self._failed_loads |= self.ledger.take_failed_requests()
+            failed = self._failed_loads & results.finished_recving
+            self._failed_loads -= failed | finished_req_ids
+            if failed:
+                logger.warning("%s: store load of %d request(s) failed; vLLM recomputes them", self.connector_name,
+                               len(failed))
+            results.failed_recving = failed
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed = self.ledger.take_block_ids_with_load_errors()
+        if self.groups:
+            return set()  # reported per request (get_transfer_results): vLLM refuses block ids of several groups
         if failed:
             logger.warning("%s: %d block(s) failed to load; vLLM recomputes them", self.connector_name, len(failed))
         return failed
@@ -350,6 +429,11 @@ class StoreConnectorBase(_base.KVConnectorBase_V1):  # type: ignore[name-defined
         return StoreConnectorMetadata(self._scheduler.build_plan(scheduler_output))
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's SupportsHMA hook (every group's block ids): the same as ``request_finished``."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 

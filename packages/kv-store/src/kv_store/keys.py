@@ -16,6 +16,9 @@ A key names one block of one rank's KV cache::
 - pipeline parallelism: each PP stage holds other layers, so each stage has its own tags
   (``pp<stage>of<size>.`` in front; nothing without PP). The namespace covers the whole model's
   layer count and vLLM's layer split, so a tag always names the same layers.
+- several KV-cache groups (vLLM's hybrid manager: sliding-window and full-attention layers): each
+  group's blocks are values of their own, under the rank tag plus ``.g<group>`` (``group_blocks``);
+  the group layouts are in the namespace. One group: no suffix, the keys of before.
 - of the ranks that share a tag, only the lowest TP rank writes it (:func:`writes_tag`): the others
   hold the same bytes.
 - each tag also holds a layout manifest (``kv/<namespace>/<rank tag>/manifest``, see

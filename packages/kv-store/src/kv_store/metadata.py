@@ -14,6 +14,9 @@ class BlockTransfer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     request_id: str
     block_hashes: list[bytes]
     block_ids: list[list[int]]  # one list per KV-cache group, aligned with block_hashes
+    # With several KV-cache groups (``group_blocks``): the one group (vLLM's index) whose blocks
+    # these are, ``block_ids`` then holds its one list.
+    group: int = 0
 
 
 class StorePlan(msgspec.Struct, kw_only=True):

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_common.backend import Backend
+from kv_common.kv_cache_groups import KVGroup
 from kv_common.logging_utils import get_logger
 
+from kv_store import group_blocks
 from kv_store import keys as keys_mod
 from kv_store.config import StoreConnectorConfig
 from kv_store.lookup import LookupBreaker, external_tokens, leading_present, loadable_blocks
@@ -67,10 +69,21 @@ class StoreScheduler:
         save_enabled: bool,
         stats: StoreStats | None = None,
         clock: Callable[[], float] = time.monotonic,
+        groups: Sequence[KVGroup] = (),
     ) -> None:
+        """``groups``: vLLM's KV-cache groups (``kv_common.kv_cache_groups.kv_groups``). With more
+        than one, each group's blocks are values of their own under the group's tags, and each
+        transfer names its group (``group_blocks``); with one or none, one value holds every layer."""
         self.backend = backend
         self.namespace = namespace
-        self.rank_tags = list(rank_tags)
+        self.groups = tuple(groups) if len(groups) > 1 else ()
+        n = len(self.groups)
+        # per group: its tag on every rank (single group: the rank tags themselves)
+        self.group_tags = [[group_blocks.group_tag(t, g, n) for t in rank_tags] for g in self.groups]
+        events = group_blocks.event_groups(self.groups)
+        # the tags a block must be stored under before its BlockStored event
+        self.rank_tags = ([t for g in events for t in self.group_tags[self.groups.index(g)]] if self.groups
+                          else list(rank_tags))
         self.block_size = block_size
         self.config = config
         self.load_enabled = load_enabled
@@ -96,12 +109,25 @@ class StoreScheduler:
         self._stored_tags: OrderedDict[bytes, set[str]] = OrderedDict()
 
     # ---- lookup -------------------------------------------------------------------------
-    def _exists(self, hashes: list[Any]) -> list[list[bool]]:
-        per_rank = keys_mod.keys_for_ranks(self.namespace, self.rank_tags, hashes)
+    def _exists(self, hashes: list[Any], tags: Sequence[str] | None = None) -> list[list[bool]]:
+        per_rank = keys_mod.keys_for_ranks(self.namespace, self.rank_tags if tags is None else tags, hashes)
         flat = [k for keys in per_rank for k in keys]
         found = self.backend.batch_exists(flat)
         n = len(hashes)
         return [list(found[i * n : (i + 1) * n]) for i in range(len(per_rank))]
+
+    def _present_blocks(self, hashes: list[Any], first: int) -> int:
+        """Blocks from ``first`` (``hashes`` = the request's hashes ``first:end``) a hit can load."""
+        if not self.groups:
+            return leading_present(self._exists(hashes))
+        end = first + len(hashes)
+        present: list[list[bool]] = []
+        for group, tags in zip(self.groups, self.group_tags, strict=True):
+            lo, _ = group_blocks.lookup_range(group, first, end, self.block_size)
+            found = self._exists(hashes[lo - first :], tags)
+            # blocks below lo are never needed: count them present
+            present.append([True] * (lo - first) + [all(col) for col in zip(*found, strict=True)])
+        return group_blocks.hit_blocks(self.groups, present, first, end, self.block_size)
 
     def _answer(self, lookup: _Lookup, wait_s: float) -> bool:
         """Fill ``lookup.present`` if the lookup finished within ``wait_s``; True when answered."""
@@ -136,7 +162,7 @@ class StoreScheduler:
             lookup.present = 0
             return True
         self._breaker.record_answer()
-        lookup.present = leading_present(result)
+        lookup.present = int(result)
         return True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -157,7 +183,7 @@ class StoreScheduler:
                 self.stats.incr("lookup_breaker_skips")
                 return 0, False
             deadline = self._clock() + self.config.lookup_timeout_s
-            future = self._executor.submit(self._exists, hashes[first:num_blocks])
+            future = self._executor.submit(self._present_blocks, hashes[first:num_blocks], first)
             lookup = self._lookups[req_id] = _Lookup(first, num_blocks, deadline, future)
         if self.config.lookup_mode == "async":
             if not self._answer(lookup, 0.0):
@@ -190,34 +216,56 @@ class StoreScheduler:
         first = lookup.first_block
         count = num_external_tokens // self.block_size
         hashes = [bytes(h) if isinstance(h, (bytes, bytearray)) else h for h in request.block_hashes[first : first + count]]
-        self._pending_loads.append(
-            BlockTransfer(
-                request_id=req_id,
-                block_hashes=hashes,
-                block_ids=[g[first : first + count] for g in block_ids],
+        if self.groups:
+            self._pending_loads.extend(self._group_transfers(req_id, request.block_hashes, block_ids, [
+                group_blocks.hit_range(g, first, first + count, self.block_size) for g in self.groups]))
+        else:
+            self._pending_loads.append(
+                BlockTransfer(
+                    request_id=req_id,
+                    block_hashes=hashes,
+                    block_ids=[g[first : first + count] for g in block_ids],
+                )
             )
-        )
         state.saved_upto = max(state.saved_upto, first + count)
         if self.config.load_mode == "async":
             self._async_loaded.add(req_id)
         self.stats.incr("lookup_hits")
         self.stats.incr("lookup_hit_tokens", num_external_tokens)
 
-    def _plan_save(self, state: _RequestState, computed_after: int) -> BlockTransfer | None:
+    def _group_transfers(self, req_id: str, hashes: Sequence[Any], block_ids: Sequence[Sequence[int]],
+                         ranges: Sequence[tuple[int, int]]) -> list[BlockTransfer]:
+        """One transfer per group over its block range; vLLM's null block is never read nor written."""
+        out = []
+        for group, (lo, hi) in zip(self.groups, ranges, strict=True):
+            ids = block_ids[group.index]
+            idx = [k for k in range(lo, min(hi, len(ids))) if ids[k] != group_blocks.NULL_BLOCK_ID]
+            if idx:
+                out.append(BlockTransfer(request_id=req_id, block_hashes=[bytes(hashes[k]) for k in idx],
+                                         block_ids=[[ids[k] for k in idx]], group=group.index))
+        return out
+
+    def _plan_save(self, state: _RequestState, computed_after: int, computed_before: int = 0) -> list[BlockTransfer]:
         if not self.save_enabled or not state.block_ids:
-            return None
+            return []
         hashes = state.request.block_hashes
         full = min(computed_after // self.block_size, len(hashes), len(state.block_ids[0]))
         if full <= state.saved_upto:
-            return None
+            return []
         start, state.saved_upto = state.saved_upto, full
-        state.has_saves = True
-        self._track_tokens(state.request, start, full)
-        return BlockTransfer(
-            request_id=state.request.request_id,
-            block_hashes=[bytes(h) for h in hashes[start:full]],
-            block_ids=[g[start:full] for g in state.block_ids],
-        )
+        if self.groups:
+            saves = self._group_transfers(state.request.request_id, hashes, state.block_ids, [
+                group_blocks.save_range(g, start, full, computed_before) for g in self.groups])
+        else:
+            saves = [BlockTransfer(
+                request_id=state.request.request_id,
+                block_hashes=[bytes(h) for h in hashes[start:full]],
+                block_ids=[g[start:full] for g in state.block_ids],
+            )]
+        if saves:
+            state.has_saves = True
+            self._track_tokens(state.request, start, full)
+        return saves
 
     def _track_tokens(self, request: Any, start: int, end: int) -> None:
         tokens = getattr(request, "all_token_ids", None)  # None: parents still tracked (event order)
@@ -262,9 +310,8 @@ class StoreScheduler:
             if state is None:
                 continue
             state.block_ids = [list(g) for g in new.block_ids]
-            save = self._plan_save(state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
-            if save is not None:
-                plan.saves.append(save)
+            plan.saves.extend(self._plan_save(state, new.num_computed_tokens + scheduled.get(new.req_id, 0),
+                                              new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, req_id in enumerate(cached.req_ids):
@@ -279,9 +326,8 @@ class StoreScheduler:
                     state.block_ids = [[] for _ in new_ids]
                 for group, ids in zip(state.block_ids, new_ids, strict=True):
                     group.extend(ids)
-            save = self._plan_save(state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
-            if save is not None:
-                plan.saves.append(save)
+            plan.saves.extend(self._plan_save(state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
+                                              cached.num_computed_tokens[i]))
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             state = self._requests.get(req_id)
             if state is not None:

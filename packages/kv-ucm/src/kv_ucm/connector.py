@@ -16,8 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 from kv_common.backend import Backend
+from kv_common.kv_cache_groups import UnsupportedKVGroup
 from kv_common.logging_utils import get_logger
 from kv_store.connector_base import StoreConnectorBase
+from kv_store.group_worker import GroupedStoreWorker
 
 from kv_ucm.backend_factory import make_ucm_backend
 from kv_ucm.config import UCMConfig
@@ -27,19 +29,20 @@ logger = get_logger(__name__)
 
 
 def expected_value_size(kv_cache_config: Any) -> int | None:
-    """Bytes of one stored value (all layers of a block + the codec trailer), from vLLM's
-    ``KVCacheConfig``; None when it cannot tell. The worker learns the real size from the KV
+    """Bytes of one stored value (all layers of a block of one KV-cache group + the codec trailer),
+    from vLLM's ``KVCacheConfig``; None when it cannot tell, or when groups differ. The worker learns the real size from the KV
     tensors; this estimate lets the scheduler's lookup-only store publish the same UCM block size
     (UCM's Posix garbage collector requires it when enabled)."""
     from kv_store import codec
 
     try:
-        total = 0
-        for group in kv_cache_config.kv_cache_groups:
-            total += len(group.layer_names) * int(group.kv_cache_spec.page_size_bytes)
+        sizes = {len(group.layer_names) * int(group.kv_cache_spec.page_size_bytes)
+                 for group in kv_cache_config.kv_cache_groups}
     except Exception:  # noqa: BLE001 - other vLLM versions / partial configs in unit tests
         return None
-    return total + codec.TRAILER_SIZE if total > 0 else None
+    if len(sizes) != 1 or min(sizes) <= 0:
+        return None
+    return min(sizes) + codec.TRAILER_SIZE
 
 
 class UCMConnector(StoreConnectorBase):
@@ -56,6 +59,13 @@ class UCMConnector(StoreConnectorBase):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
         assert self._worker is not None
+        if isinstance(self._worker, GroupedStoreWorker):
+            sizes = {g: w.value_size for g, w in self._worker.workers.items()}
+            if len(set(sizes.values())) > 1:
+                # one UCM store, one block size: every group's values must have it
+                raise UnsupportedKVGroup(
+                    f"UCMConnector: the KV-cache groups' values differ in size ({sizes}, bytes by group): "
+                    "a UCM store holds blocks of one size")
         size = self._worker.value_size
         hint = getattr(self, "_value_size_hint", None)
         if hint is not None and hint != size:
