@@ -201,6 +201,57 @@ def test_a_zero_copy_load_under_a_deadline_fails_closed(bad):
     worker.close(1)
 
 
+def poll_finished(worker, aborted=frozenset(), limit_s=10.0):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        done = worker.take_finished_loads(set(aborted))
+        if done:
+            return done, time.monotonic()
+        time.sleep(0.01)
+    raise AssertionError(f"nothing reported within {limit_s}s")
+
+
+def test_an_async_load_under_a_deadline_goes_straight_into_the_kv_cache():
+    backend = CountingStoreBackend(64 << 20)
+    worker, caches = make_worker(backend, load_mode="async", load_timeout_s=10.0)
+    hs = hashes(4)
+    save(worker, hs, [1, 2, 3, 4])
+    worker.start_async(StorePlan(loads=[BlockTransfer(request_id="x", block_hashes=hs, block_ids=[[9, 10, 11, 12]])]))
+    assert poll_finished(worker)[0] == {"x"}
+    assert worker.ledger.take_block_ids_with_load_errors() == set()
+    assert backend.calls["get_into"] == 0 and backend.calls["get_parts"] >= 1, backend.calls
+    for c in caches.values():
+        assert torch.equal(c[9:13], c[1:5])
+    worker.close(1)
+
+
+def test_an_async_zero_copy_load_aborted_mid_call_is_reported_only_once_no_call_runs():
+    """vLLM frees an aborted request's blocks once it is reported: with the backend writing into
+    them, that must wait for the call in flight."""
+    probe = CountingStoreBackend(64 << 20)
+    worker, _ = make_worker(probe)
+    two_values = 2 * worker.value_size
+    worker.close(1)
+    backend = CountingStoreBackend(64 << 20, pass_bytes=two_values)
+    worker, caches = make_worker(backend, load_mode="async", load_timeout_s=10.0)
+    hs = hashes(6)
+    save(worker, hs, [1, 2, 3, 4, 5, 6])
+    backend.slow_get_s = 0.4
+    worker.start_async(StorePlan(loads=[BlockTransfer(request_id="x", block_hashes=hs,
+                                                      block_ids=[[12, 13, 14, 15, 16, 17]])]))
+    deadline = time.monotonic() + 10
+    while backend.calls["get_parts"] < 2:  # the second call is in flight
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert worker.take_finished_loads({"x"}) == set(), "reported while a get still writes into its blocks"
+    done, reported = poll_finished(worker, aborted=frozenset({"x"}))
+    assert done == {"x"}
+    assert backend.last_get_end <= reported
+    assert worker.ledger.take_block_ids_with_load_errors() == set()  # aborted: nobody recomputes it
+    assert worker.leak_report()["pending_loads"] == 0
+    worker.close(1)
+
+
 # ---- pass plans ------------------------------------------------------------------------------
 
 @given(n=st.integers(0, 300), value_size=st.integers(1, 1 << 22), pass_bytes=st.one_of(st.none(), st.integers(1, 1 << 26)),

@@ -15,6 +15,8 @@
   fetch keeps the load staging until it returns, loads fail at once meanwhile, and a late write
   never lands in KV blocks vLLM has recomputed. Results of a late call touch neither the failure
   ledger nor the reports.
+- "async" loads from such a backend go straight into the KV blocks too; a request aborted or past
+  its deadline is then stopped between rounds and reported only once no call of it runs.
 - Each pass is checked while the backend fetches the next one (``passes``); the pass size is the
   backend's (cache-sized in memory, the whole request over RPC).
 """
@@ -67,6 +69,9 @@ class _AsyncLoad:
     fetched: list[_Fetched] = field(default_factory=list)
     given_up: str = ""  # "timeout" | "aborted" | "stalled" once given up
     aborted: bool = False  # vLLM finished (aborted) the request while it loaded
+    # Straight into the KV blocks (the backend bounds its calls within the deadline): reported
+    # only once no call runs, never given up in the middle of one.
+    zero_copy: bool = False
 
 
 class StoreLoader:
@@ -326,6 +331,8 @@ class StoreLoader:
             if transfer.request_id in self._async_loads:  # started when the plan was bound
                 continue
             job = _AsyncLoad(transfer, self._deadline())
+            trailers = self._cache.trailers
+            job.zero_copy = trailers is not None and self._waits_within([transfer], trailers.slots, job.deadline)
             late = self._async_late
             if late is not None and not late.done():
                 # A load given up at its deadline still holds the loader: fail this one at once
@@ -340,7 +347,10 @@ class StoreLoader:
         """Loader thread: fetch, verify and scatter ``job`` round by round through the load
         staging (only this thread uses it in async mode). Records nothing but ``job.fetched``."""
         assert self._cache is not None
-        view, staging = self._cache.view, self._cache.staging
+        view, staging, trailers = self._cache.view, self._cache.staging, self._cache.trailers
+        if job.zero_copy and trailers is not None:
+            self._run_async_parts(job, view, trailers)
+            return
         for part in self._rounds([job.transfer], staging.slots):
             with self._async_lock:
                 if job.given_up:
@@ -354,6 +364,25 @@ class StoreLoader:
                 job.fetched.extend(fetched)
             if any(f.good < len(f.transfer.block_hashes) for f in fetched):
                 return  # later blocks of the request are not valid after a bad one
+
+    def _run_async_parts(self, job: _AsyncLoad, view: KVBlockView, trailers: TrailerArea) -> None:
+        """Loader thread, zero copy: each round straight into the KV blocks, verified there; a
+        give-up (abort, deadline) stops it between rounds."""
+        for part in self._rounds([job.transfer], trailers.slots):
+            for transfer in part:
+                with self._async_lock:
+                    if job.given_up:
+                        return
+                good, why, seconds = self._fetch_checked(
+                    transfer, self._store.keys(transfer.block_hashes),
+                    [view.block_parts(transfer, i, trailers[i]) for i in range(len(transfer.block_hashes))],
+                    self._store.backend.batch_get_parts,  # type: ignore[attr-defined]
+                    self._store.seal.check_parts,
+                )
+                with self._async_lock:
+                    job.fetched.append(_Fetched(transfer, good, -1, why, seconds))
+                if good < len(transfer.block_hashes):
+                    return
 
     def take_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose async load is over, each reported exactly once: done, failed (its bad
@@ -374,6 +403,13 @@ class StoreLoader:
                     why = "timeout"
                 else:
                     continue
+                if job.zero_copy:
+                    # Its calls write into the KV blocks: stop it between rounds and report it
+                    # once no call runs (at once when it never started).
+                    with self._async_lock:
+                        job.given_up = job.given_up or why
+                    if not job.future.cancel() and not job.future.done():
+                        continue
                 with self._async_lock:
                     if not job.future.done():
                         job.given_up = why
