@@ -115,9 +115,13 @@ def test_a_put_of_a_stored_key_is_a_success_by_its_code():
         assert not put_succeeded(code), code
 
 
-def test_mooncake_moves_the_whole_request_in_one_call(mooncake_master):
+def test_mooncake_moves_the_whole_request_in_one_call_bounded_by_its_setup_timeouts(mooncake_master, monkeypatch):
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "2000")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "3")
     b = MooncakeBackend(mooncake_options(mooncake_master.address))
     assert b.pass_bytes is None
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "300")  # not what this client was set up with
+    assert b.call_bound_s(0) == pytest.approx(5.0)
     b.close()
 
 

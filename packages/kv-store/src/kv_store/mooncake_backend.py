@@ -26,7 +26,7 @@ import bisect
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_common.backend import Backend, BackendError, scatter_into_parts
@@ -57,10 +57,10 @@ TCP_PROGRESS_TIMEOUT_ENV, TCP_PROGRESS_TIMEOUT_DEFAULT_S = "MC_TCP_PROGRESS_TIME
 TRANSFER_S_PER_BYTE = 1e-9  # Mooncake's own allowance per byte on top of a transfer timeout
 
 
-def _env_number(name: str, default: float) -> float | None:
-    """``name`` from the environment as a non-negative number; None when it is set to anything
-    else (what Mooncake then does we cannot tell: unbounded)."""
-    raw = os.environ.get(name)
+def _env_number(environ: Mapping[str, str], name: str, default: float) -> float | None:
+    """``name`` from ``environ`` as a non-negative number; None when it is set to anything else
+    (what Mooncake then does we cannot tell: unbounded)."""
+    raw = environ.get(name)
     if raw is None:
         return default
     try:
@@ -70,14 +70,15 @@ def _env_number(name: str, default: float) -> float | None:
     return value if value >= 0 else None
 
 
-def mooncake_call_bound_s(protocol: str, nbytes: int) -> float | None:
+def mooncake_call_bound_s(protocol: str, nbytes: int, environ: Mapping[str, str] | None = None) -> float | None:
     """The longest a store call moving ``nbytes`` takes before Mooncake ends it itself, from the
-    timeouts this process's environment gives it; None where no bound was measured (protocols
-    other than TCP, unreadable settings)."""
+    timeouts in ``environ`` (default: this process's environment); None where no bound was
+    measured (protocols other than TCP, unreadable settings)."""
+    environ = os.environ if environ is None else environ
     if protocol != "tcp":
         return None
-    rpc_ms = _env_number(RPC_TIMEOUT_ENV, RPC_TIMEOUT_DEFAULT_MS)
-    progress_s = _env_number(TCP_PROGRESS_TIMEOUT_ENV, TCP_PROGRESS_TIMEOUT_DEFAULT_S)
+    rpc_ms = _env_number(environ, RPC_TIMEOUT_ENV, RPC_TIMEOUT_DEFAULT_MS)
+    progress_s = _env_number(environ, TCP_PROGRESS_TIMEOUT_ENV, TCP_PROGRESS_TIMEOUT_DEFAULT_S)
     if rpc_ms is None or progress_s is None:
         return None
     return rpc_ms / 1000 + progress_s + nbytes * TRANSFER_S_PER_BYTE
@@ -109,10 +110,12 @@ class MooncakeBackend(Backend):
     pass_bytes = None  # one RPC per request: a call costs a round trip to the master
 
     def call_bound_s(self, nbytes: int) -> float | None:
-        return mooncake_call_bound_s(str(self.options.get("protocol", "")), nbytes)
+        return mooncake_call_bound_s(str(self.options.get("protocol", "")), nbytes, self._timeouts)
 
     def __init__(self, options: dict[str, Any], setup_retries: int | None = 3, setup_timeout_s: float = 60.0) -> None:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        # The timeouts this client is set up with (a later change of the environment is not its).
+        self._timeouts = {k: os.environ[k] for k in (RPC_TIMEOUT_ENV, TCP_PROGRESS_TIMEOUT_ENV) if k in os.environ}
         if setup_retries is not None:
             # Mooncake retries a missing master 20 times (~90 s) by default.
             os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(setup_retries))
