@@ -294,3 +294,31 @@ def test_the_embedded_backend_bounds_its_calls_and_moves_cache_sized_passes():
     backend = EmbeddedStoreBackend(1 << 20)
     assert backend.call_bound_s(1 << 20) is not None
     assert backend.pass_bytes == EmbeddedBackend.pass_bytes
+
+
+def test_a_pass_prepared_while_the_previous_put_hung_is_not_put_once_the_save_is_given_up():
+    from test_store_stall import BlockingPartsBackend, wait_until
+
+    class OneValuePerPut(BlockingPartsBackend):
+        pass
+
+    backend = OneValuePerPut(16 << 20)
+    try:
+        worker, caches = make_worker(backend, save_timeout_s=0.3)
+        backend.pass_bytes = worker.value_size
+        hs = hashes(3)
+        backend.hold("put")
+        worker.submit_saves(StorePlan(saves=[BlockTransfer(request_id="s", block_hashes=hs, block_ids=[[1, 2, 3]])]))
+        wait_until(lambda: backend.entered["put"] >= 1)  # pass 0 hangs; pass 1 is prepared meanwhile
+        deadline = time.monotonic() + 10
+        while "s" not in worker.get_finished({"s"}):  # given up after save_timeout_s
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for c in caches.values():
+            c[1:4] = 7.0  # vLLM reuses the released blocks
+        backend.release("put")
+        worker.saver._executor.submit(lambda: None).result(10)  # the save thread is past "s"
+        assert backend.batch_exists(worker.keys(hs[1:])) == [False, False], "a pass of a given-up save was put"
+        worker.close(1)
+    finally:
+        backend.release_all()

@@ -45,12 +45,14 @@ def double_buffered(n: int, value_size: int, pass_bytes: int | None, slots: int)
 
 
 def puts_overlapped(io: Executor, count: int, prepare: Callable[[int], T | None],
-                    call: Callable[[int, T], R], finish: Callable[[int, R], None], *, overlap: bool = True) -> None:
+                    call: Callable[[int, T], R], finish: Callable[[int, R], None], *, overlap: bool = True,
+                    proceed: Callable[[], bool] = lambda: True) -> None:
     """Saves: ``prepare(k)`` (gather, seal) on this thread while ``call(k - 1)`` (the put) runs on
     ``io``; ``finish`` on this thread, in order. ``prepare`` returning None stops (calls already
     started are still finished). With alternating buffers prepare(k) never touches call(k - 1)'s:
     call(k - 2) is finished before prepare(k) starts. ``overlap`` False (one set of buffers):
-    each call is finished before the next pass is prepared."""
+    each call is finished before the next pass is prepared. ``proceed()`` is asked again before
+    each call: a pass prepared while the previous call hung is not put once the save is given up."""
     pending: tuple[int, Future] | None = None
     try:
         for k in range(count):
@@ -61,7 +63,7 @@ def puts_overlapped(io: Executor, count: int, prepare: Callable[[int], T | None]
             if pending is not None:
                 finish(pending[0], pending[1].result())
                 pending = None
-            if prepared is None:
+            if prepared is None or not proceed():
                 return
             pending = (k, io.submit(call, k, prepared))
         if pending is not None:

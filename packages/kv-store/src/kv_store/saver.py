@@ -175,7 +175,8 @@ class StoreSaver:
             lo, hi = passes[k]
             self._record_put(view, transfer.block_hashes[lo:hi], *result)
 
-        puts_overlapped(self._io, len(passes), prepare, call, finish, overlap=half > 0)
+        puts_overlapped(self._io, len(passes), prepare, call, finish, overlap=half > 0,
+                        proceed=lambda: transfer.request_id not in self._released)
 
     @staticmethod
     def _timed_put(request_id: str, keys: list[str], values: list[Any],
