@@ -214,3 +214,20 @@ def test_cross_process_share_through_spill_dir(tmp_path: Path):
     local = EmbeddedBackend(spill_dir=tmp_path)
     assert local.batch_exists(["shared/3", "shared/99"]) == [True, False]
     assert get(local, "shared/3", 4096) == block(3, 4096)
+
+
+def test_a_subclass_that_overrides_calls_is_unbounded_unless_it_says_so():
+    """The bound lets a caller wait for a call with the KV cache as its buffer: a subclass (one
+    that can hang, say) must not inherit it silently."""
+
+    class Gated(EmbeddedBackend):
+        def batch_get_into(self, keys, buffers):
+            return super().batch_get_into(keys, buffers)
+
+    class SaysSo(Gated):
+        call_bound_s = EmbeddedBackend.call_bound_s
+
+    assert EmbeddedBackend(1 << 20).call_bound_s(1 << 20) is not None
+    assert Gated(1 << 20).call_bound_s(1 << 20) is None
+    assert SaysSo(1 << 20).call_bound_s(1 << 20) == EmbeddedBackend(1 << 20).call_bound_s(1 << 20)
+    assert Backend.pass_bytes == EmbeddedBackend.pass_bytes  # memory speed: cache-sized passes

@@ -173,12 +173,3 @@ def test_the_mac_secret_needs_16_bytes():
     assert codec.mac_key_from_env("V", {"V": "s" * 16}) is not None
     with pytest.raises(ValueError, match="15 bytes, at least 16"):
         codec.mac_key_from_env("V", {"V": "s" * 15})
-
-
-@pytest.mark.parametrize(
-    ("value_size", "limit", "blocks"),
-    [(1 << 20, 100, 4), (1 << 20, 3, 3), (5 << 20, 10, 1), (0, 10, 10), (1, 10, 10), ((4 << 20) - 1, 10, 1),
-     ((2 << 20), 10, 2), (1, 1 << 30, 4 << 20)],
-)
-def test_blocks_per_pass_fill_4_mib(value_size, limit, blocks):
-    assert codec.blocks_per_pass(value_size, limit) == blocks

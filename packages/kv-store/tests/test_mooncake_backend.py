@@ -103,3 +103,68 @@ def test_the_store_client_advertises_this_machines_address_by_default(monkeypatc
     env = {"MOONCAKE_MASTER": "10.0.0.2:50051"}
     assert resolve_mooncake(MooncakeOptions(), environ=env)["local_hostname"] == "10.9.8.7"
     assert resolve_mooncake(MooncakeOptions(local_hostname="10.0.0.1"), environ=env)["local_hostname"] == "10.0.0.1"
+
+
+# ---- issue 25: puts without an exists round trip, and how long a call can take ----------------
+
+def test_a_put_of_a_stored_key_is_a_success_by_its_code():
+    from kv_store.mooncake_backend import OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, put_succeeded
+
+    assert put_succeeded(0) and put_succeeded(OBJECT_ALREADY_EXISTS)
+    for code in (-1, -200, OBJECT_NOT_FOUND, -800, -900):
+        assert not put_succeeded(code), code
+
+
+def test_mooncake_moves_the_whole_request_in_one_call_bounded_by_its_setup_timeouts(mooncake_master, monkeypatch):
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "2000")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "3")
+    b = MooncakeBackend(mooncake_options(mooncake_master.address))
+    assert b.pass_bytes is None
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "300")  # not what this client was set up with
+    assert b.call_bound_s(0) == pytest.approx(5.0)
+    b.close()
+
+
+def test_the_call_bound_comes_from_mooncakes_own_timeouts(monkeypatch):
+    from kv_store.mooncake_backend import mooncake_call_bound_s
+
+    monkeypatch.delenv("MC_RPC_TIMEOUT_MS", raising=False)
+    monkeypatch.delenv("MC_TCP_PROGRESS_TIMEOUT_SEC", raising=False)
+    assert mooncake_call_bound_s("tcp", 0) == pytest.approx(60.0)  # 30 s RPC + 30 s transfer
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "2000")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "3")
+    assert mooncake_call_bound_s("tcp", 10**9) == pytest.approx(6.0)
+    assert mooncake_call_bound_s("rdma", 0) is None  # not measured: unbounded, staging under a deadline
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "soon")
+    assert mooncake_call_bound_s("tcp", 0) is None
+
+
+def test_a_frozen_segment_holder_ends_a_get_within_the_call_bound(mooncake_master, monkeypatch):
+    """The bound is what lets a load under a deadline go straight into the KV cache: a get from a
+    holder that stopped answering must end by itself within it."""
+    import os
+    import signal
+    import time
+
+    from kv_common.testing.freeze import freeze
+    from kv_store.testing import MooncakeClient
+
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "1000")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "2")
+    with MooncakeClient(mooncake_master.address, segment="64MB") as holder:
+        b = MooncakeBackend(mooncake_options(mooncake_master.address, segment=0))
+        raw = bytearray(2 << 20)
+        view = memoryview(raw)
+        b.register_buffer(view)
+        assert b.batch_put(["k"], [view[: 1 << 20]]) == [True]
+        assert holder.proc is not None
+        freeze(holder.proc.pid)
+        try:
+            t0 = time.monotonic()
+            assert b.batch_get_into(["k"], [view[1 << 20 :]]) == [-1]
+            took = time.monotonic() - t0
+        finally:
+            os.kill(holder.proc.pid, signal.SIGCONT)
+        bound = b.call_bound_s(1 << 20)
+        assert bound is not None and took <= bound + 1.0, (took, bound)  # 1 s: a descheduled test thread
+        b.close()

@@ -42,6 +42,10 @@ _SUFFIX = ".kvb"
 DEFAULT_SPILL_CAP_BYTES = 16 << 30
 MAX_SPILL_FREE_FRACTION = 0.5
 SPILL_SLACK_MIN_CAP = 64 << 20  # smaller caps evict exactly to the cap (tests, tiny directories)
+# An embedded call waits on no other party: it copies memory and reads or writes local files. Its
+# bound assumes a slow local disk, so a caller's deadline is never shorter than the real call.
+CALL_FIXED_S = 1.0
+SLOWEST_BYTES_PER_S = 50e6
 
 
 def default_spill_capacity(directory: str | os.PathLike[str]) -> int:
@@ -130,6 +134,10 @@ class EmbeddedBackend(Backend):
             self._spill_bytes = sum(size for _, size, _ in self._spill_files())
 
     # -- Backend API ------------------------------------------------------------------------
+
+    def call_bound_s(self, nbytes: int) -> float | None:
+        """Bounded by the copy itself: memory and local files, no peer to wait for."""
+        return CALL_FIXED_S + nbytes / SLOWEST_BYTES_PER_S
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:

@@ -119,18 +119,18 @@ class KVBlockView:
         """Block ``i`` of ``transfer`` as a parts value: its slice of every layer, then ``trailer``."""
         return [layer.block(transfer.block_ids[layer.group][i]) for layer in self.layers] + [trailer]
 
-    def gather(self, staging: Staging, transfer: BlockTransfer, lo: int, hi: int) -> None:
-        """Blocks ``lo:hi`` of ``transfer`` into staging rows ``0:hi-lo``; the rows are ready to
-        read when this returns (a device copy is waited for)."""
+    def gather(self, staging: Staging, transfer: BlockTransfer, lo: int, hi: int, row: int = 0) -> None:
+        """Blocks ``lo:hi`` of ``transfer`` into staging rows ``row:row+hi-lo``; the rows are ready
+        to read when this returns (a device copy is waited for)."""
         view, vs = staging.view, staging.value_size
         events = []
         for layer in self.layers:
             ids = transfer.block_ids[layer.group]
             if not self.host_kv:
-                rows = staging.rows[: hi - lo, layer.offset : layer.offset + layer.nbytes]
+                rows = staging.rows[row : row + hi - lo, layer.offset : layer.offset + layer.nbytes]
                 events.append(device.gather_rows(rows, layer.blocks, list(ids[lo:hi])))
                 continue
-            for j, i in enumerate(range(lo, hi)):
+            for j, i in enumerate(range(lo, hi), row):
                 start = j * vs + layer.offset
                 view[start : start + layer.nbytes] = layer.block(ids[i])
         for event in events:

@@ -8,10 +8,17 @@
   error for that block and every later block of the request (all KV-cache groups), through the
   ``FailureLedger``; vLLM then recomputes them.
 - Deadline (a slow or hung backend never stalls the engine): a load not done within
-  ``load_timeout_s`` is a load error for all its blocks (vLLM recomputes them). The late fetch
-  keeps the load staging until it returns, and loads fail at once meanwhile; with a deadline loads
-  always go through staging, so a late write can never land in KV blocks vLLM has recomputed.
-  Results of a late call touch neither the failure ledger nor the reports.
+  ``load_timeout_s`` is a load error for all its blocks (vLLM recomputes them). A backend that
+  ends its own calls within the deadline (``Backend.call_bound_s``: the embedded store, Mooncake
+  with its timeouts under ``load_timeout_s``) loads straight into the KV blocks and is waited for:
+  no call outlives the load. Any other backend loads through staging on the loader thread: a late
+  fetch keeps the load staging until it returns, loads fail at once meanwhile, and a late write
+  never lands in KV blocks vLLM has recomputed. Results of a late call touch neither the failure
+  ledger nor the reports.
+- "async" loads from such a backend go straight into the KV blocks too; a request aborted or past
+  its deadline is then stopped between rounds and reported only once no call of it runs.
+- Each pass is checked while the backend fetches the next one (``passes``); the pass size is the
+  backend's (cache-sized in memory, the whole request over RPC).
 """
 
 from __future__ import annotations
@@ -27,11 +34,11 @@ from typing import Any
 from kv_common.failure_ledger import FailureLedger
 from kv_common.logging_utils import get_logger
 
-from kv_store import codec
 from kv_store.config import StoreConnectorConfig
 from kv_store.kv_view import KVBlockView
 from kv_store.metadata import BlockTransfer, StorePlan
-from kv_store.staging import CacheBuffers, Staging, TrailerArea, spans
+from kv_store.passes import blocks_per_call, gets_overlapped, spans
+from kv_store.staging import CacheBuffers, Staging, TrailerArea
 from kv_store.store_access import StoreAccess
 
 logger = get_logger(__name__)
@@ -62,6 +69,9 @@ class _AsyncLoad:
     fetched: list[_Fetched] = field(default_factory=list)
     given_up: str = ""  # "timeout" | "aborted" | "stalled" once given up
     aborted: bool = False  # vLLM finished (aborted) the request while it loaded
+    # Straight into the KV blocks (the backend bounds its calls within the deadline): reported
+    # only once no call runs, never given up in the middle of one.
+    zero_copy: bool = False
 
 
 class StoreLoader:
@@ -71,6 +81,7 @@ class StoreLoader:
         self.ledger = ledger
         self._cache: CacheBuffers | None = None  # from register_kv_caches
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-load")
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-get")  # gets beside the check
         # A load that missed its deadline and still runs: it owns the load staging until done.
         self._late_fetch: Future | None = None
         # load_mode "async": request id -> its load, until reported in finished_recving (once).
@@ -110,28 +121,40 @@ class StoreLoader:
     def _fetch_checked(self, transfer: BlockTransfer, keys: list[str], values: list[Any],
                        get: Callable[[list[str], list[Any]], Sequence[int]],
                        check: Callable[[Any, int, str], str | None]) -> tuple[int, str, float]:
-        """Fetch ``values`` in cache-sized passes and check each pass as soon as it landed, while
-        its bytes are still in cache: (leading intact blocks, why the next is not, seconds in the
-        get). Stops at the first bad block: the blocks after it are recomputed anyway. A get that
-        raises is a miss (a dead store)."""
+        """Fetch ``values`` in passes of the backend's size and check each pass as soon as it
+        landed (while the next one is fetched): (leading intact blocks, why the next is not,
+        seconds in the get). Stops at the first bad block: the blocks after it are recomputed
+        anyway; returns only once no get is in flight. A get that raises is a miss (a dead store)."""
         assert self._cache is not None
-        good, seconds = 0, 0.0
-        for lo, hi in spans(len(keys), codec.blocks_per_pass(self._cache.view.value_size, len(keys))):
+        passes = spans(len(keys), blocks_per_call(self._cache.view.value_size, self._store.backend.pass_bytes,
+                                                  len(keys)))
+        state = _Fetched(transfer, good=0, row=0)  # its tally: leading intact blocks, why not more, get time
+
+        def call(k: int) -> Sequence[int]:
+            lo, hi = passes[k]
             t0 = time.perf_counter()
             try:
-                results = get(keys[lo:hi], values[lo:hi])
+                return get(keys[lo:hi], values[lo:hi])
             except Exception as exc:  # noqa: BLE001 - a dead store is a miss
                 logger.warning("store get failed for %s: %s", transfer.request_id, exc)
-                results = [-1] * (hi - lo)
-            seconds += time.perf_counter() - t0
-            for i, nbytes in enumerate(results, lo):
+                return [-1] * (hi - lo)
+            finally:
+                state.seconds += time.perf_counter() - t0
+
+        def finish(k: int, results: Sequence[int]) -> bool:
+            for i, nbytes in enumerate(results, passes[k][0]):
                 if nbytes < 0:
-                    return good, "miss", seconds
+                    state.why = "miss"
+                    return False
                 problem = check(values[i], nbytes, keys[i])  # sealed for this very key
                 if problem is not None:
-                    return good, f"corrupt ({problem})", seconds
-                good += 1
-        return good, "", seconds
+                    state.why = f"corrupt ({problem})"
+                    return False
+                state.good += 1
+            return True
+
+        gets_overlapped(self._io, len(passes), call, finish)
+        return state.good, state.why, state.seconds
 
     def _record_fetched(self, fetched: Sequence[_Fetched]) -> None:
         for f in fetched:
@@ -239,13 +262,38 @@ class StoreLoader:
         timeout = self.config.load_timeout_s
         return time.monotonic() + timeout if timeout > 0 else None
 
+    def _waits_within(self, loads: Sequence[BlockTransfer], slots: int, deadline: float | None) -> bool:
+        """True when every backend call of ``loads`` ends, by the backend's own bound, before
+        ``deadline`` (None: no deadline). A late call could otherwise write into KV blocks vLLM
+        is already recomputing."""
+        if deadline is None:
+            return True
+        if self.busy():
+            return False  # a late staging fetch still holds the backend: fail at once, as before
+        assert self._cache is not None
+        value_size = self._cache.view.value_size
+        backend = self._store.backend
+        total = 0.0
+        for part in self._rounds(loads, slots):
+            for transfer in part:
+                n = len(transfer.block_hashes)
+                for lo, hi in spans(n, blocks_per_call(value_size, backend.pass_bytes, n)):
+                    bound = backend.call_bound_s((hi - lo) * value_size)
+                    if bound is None:
+                        return False
+                    total += bound
+        return total <= deadline - time.monotonic()
+
     def load_sync(self, plan: StorePlan) -> None:
         if self._cache is None or not plan.loads:
             return
         view, staging, trailers = self._cache.view, self._cache.staging, self._cache.trailers
         failed: set[str] = set()
         deadline = self._deadline()
-        if trailers is not None and deadline is None:  # zero copy into the KV cache: only without a deadline
+        if trailers is not None and self._waits_within(plan.loads, trailers.slots, deadline):
+            # Zero copy into the KV cache: without a deadline, or when the backend ends its own
+            # calls before it. The calls are waited for here (never abandoned on a thread), so
+            # nothing lands in a block after it is reported for recompute.
             for part in self._rounds(plan.loads, trailers.slots):
                 for transfer in part:
                     if transfer.request_id in failed:
@@ -283,6 +331,8 @@ class StoreLoader:
             if transfer.request_id in self._async_loads:  # started when the plan was bound
                 continue
             job = _AsyncLoad(transfer, self._deadline())
+            trailers = self._cache.trailers
+            job.zero_copy = trailers is not None and self._waits_within([transfer], trailers.slots, job.deadline)
             late = self._async_late
             if late is not None and not late.done():
                 # A load given up at its deadline still holds the loader: fail this one at once
@@ -297,7 +347,10 @@ class StoreLoader:
         """Loader thread: fetch, verify and scatter ``job`` round by round through the load
         staging (only this thread uses it in async mode). Records nothing but ``job.fetched``."""
         assert self._cache is not None
-        view, staging = self._cache.view, self._cache.staging
+        view, staging, trailers = self._cache.view, self._cache.staging, self._cache.trailers
+        if job.zero_copy and trailers is not None:
+            self._run_async_parts(job, view, trailers)
+            return
         for part in self._rounds([job.transfer], staging.slots):
             with self._async_lock:
                 if job.given_up:
@@ -311,6 +364,25 @@ class StoreLoader:
                 job.fetched.extend(fetched)
             if any(f.good < len(f.transfer.block_hashes) for f in fetched):
                 return  # later blocks of the request are not valid after a bad one
+
+    def _run_async_parts(self, job: _AsyncLoad, view: KVBlockView, trailers: TrailerArea) -> None:
+        """Loader thread, zero copy: each round straight into the KV blocks, verified there; a
+        give-up (abort, deadline) stops it between rounds."""
+        for part in self._rounds([job.transfer], trailers.slots):
+            for transfer in part:
+                with self._async_lock:
+                    if job.given_up:
+                        return
+                good, why, seconds = self._fetch_checked(
+                    transfer, self._store.keys(transfer.block_hashes),
+                    [view.block_parts(transfer, i, trailers[i]) for i in range(len(transfer.block_hashes))],
+                    self._store.backend.batch_get_parts,  # type: ignore[attr-defined]
+                    self._store.seal.check_parts,
+                )
+                with self._async_lock:
+                    job.fetched.append(_Fetched(transfer, good, -1, why, seconds))
+                if good < len(transfer.block_hashes):
+                    return
 
     def take_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose async load is over, each reported exactly once: done, failed (its bad
@@ -331,6 +403,13 @@ class StoreLoader:
                     why = "timeout"
                 else:
                     continue
+                if job.zero_copy:
+                    # Its calls write into the KV blocks: stop it between rounds and report it
+                    # once no call runs (at once when it never started).
+                    with self._async_lock:
+                        job.given_up = job.given_up or why
+                    if not job.future.cancel() and not job.future.done():
+                        continue
                 with self._async_lock:
                     if not job.future.done():
                         job.given_up = why
@@ -368,3 +447,4 @@ class StoreLoader:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False)

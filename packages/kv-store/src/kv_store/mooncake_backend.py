@@ -8,7 +8,13 @@ succeeded; this wrapper turns codes into per-key results once, here:
 - the client holding a value gone (-800 TRANSFER_FAIL while the master still lists the key) -> a
   miss; no segment with room (-200 NO_AVAILABLE_HANDLE, e.g. every instance mounts nothing and no
   standalone ``mooncake_client`` runs) -> a failed put;
-- every call is refused (misses) unless ``setup()`` returned 0.
+- every call is refused (misses) unless ``setup()`` returned 0;
+- a put of a key that already exists is a success (0 from 0.3.13, -705 OBJECT_ALREADY_EXISTS from
+  versions that report it): the value stays and the caller needs no exists round trip first.
+
+An RPC per call: the whole request goes in one call (``pass_bytes`` None). A call is bounded by
+Mooncake's own timeouts over TCP (``mooncake_call_bound_s``), so a caller with a longer deadline
+may wait for it with the KV cache itself as the buffers.
 
 Buffers given to ``batch_put`` / ``batch_get_into`` must lie inside a buffer announced with
 ``register_buffer`` for the zero-copy path; anything else is copied through a bytes call.
@@ -20,7 +26,7 @@ import bisect
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kv_common.backend import Backend, BackendError, scatter_into_parts
@@ -30,6 +36,7 @@ logger = get_logger(__name__)
 
 NO_AVAILABLE_HANDLE = -200
 OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 
@@ -39,6 +46,54 @@ _HINTS = {
     NO_AVAILABLE_HANDLE: " (no mounted segment has room: with mount_segment false a standalone mooncake_client "
                          "must hold the pool)",
 }
+
+
+# What ends a store call when a party stops answering (measured on 0.3.13.post1 over TCP, with
+# SIGSTOP): the client's RPC to a frozen master returns -901 after MC_RPC_TIMEOUT_MS; a transfer
+# to or from a frozen segment holder returns -800 after MC_TCP_PROGRESS_TIMEOUT_SEC (get and put;
+# MC_TRANSFER_TIMEOUT did not end it, MC_TCP_STATUS_TIMEOUT_SEC only the get). Defaults 30 s each.
+RPC_TIMEOUT_ENV, RPC_TIMEOUT_DEFAULT_MS = "MC_RPC_TIMEOUT_MS", 30000
+TCP_PROGRESS_TIMEOUT_ENV, TCP_PROGRESS_TIMEOUT_DEFAULT_S = "MC_TCP_PROGRESS_TIMEOUT_SEC", 30
+TRANSFER_S_PER_BYTE = 1e-9  # Mooncake's own allowance per byte on top of a transfer timeout
+
+
+def _env_number(environ: Mapping[str, str], name: str, default: float) -> float | None:
+    """``name`` from ``environ`` as a non-negative number; None when it is set to anything else
+    (what Mooncake then does we cannot tell: unbounded)."""
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def mooncake_call_bound_s(protocol: str, nbytes: int, environ: Mapping[str, str] | None = None) -> float | None:
+    """The longest a store call moving ``nbytes`` takes before Mooncake ends it itself, from the
+    timeouts in ``environ`` (default: this process's environment); None where no bound was
+    measured (protocols other than TCP, unreadable settings)."""
+    environ = os.environ if environ is None else environ
+    if protocol != "tcp":
+        return None
+    rpc_ms = _env_number(environ, RPC_TIMEOUT_ENV, RPC_TIMEOUT_DEFAULT_MS)
+    progress_s = _env_number(environ, TCP_PROGRESS_TIMEOUT_ENV, TCP_PROGRESS_TIMEOUT_DEFAULT_S)
+    if rpc_ms is None or progress_s is None:
+        return None
+    return rpc_ms / 1000 + progress_s + nbytes * TRANSFER_S_PER_BYTE
+
+
+def put_succeeded(code: int) -> bool:
+    """A put's code: stored now, or already stored (kept; 0.3.13 says 0, later versions -705)."""
+    return code == 0 or code == OBJECT_ALREADY_EXISTS
+
+
+def _byte_view(buffer: memoryview | bytes) -> memoryview:
+    """``buffer`` as a flat byte view; no new view when it is one already (the worker's parts are:
+    a cast per part cost ~1 us, as much as the rest of a 128 KiB block's bookkeeping)."""
+    view = memoryview(buffer)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
 def buffer_address(buffer: memoryview) -> int:
@@ -52,9 +107,15 @@ def buffer_address(buffer: memoryview) -> int:
 
 class MooncakeBackend(Backend):
     name = "mooncake"
+    pass_bytes = None  # one RPC per request: a call costs a round trip to the master
+
+    def call_bound_s(self, nbytes: int) -> float | None:
+        return mooncake_call_bound_s(str(self.options.get("protocol", "")), nbytes, self._timeouts)
 
     def __init__(self, options: dict[str, Any], setup_retries: int | None = 3, setup_timeout_s: float = 60.0) -> None:
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        # The timeouts this client is set up with (a later change of the environment is not its).
+        self._timeouts = {k: os.environ[k] for k in (RPC_TIMEOUT_ENV, TCP_PROGRESS_TIMEOUT_ENV) if k in os.environ}
         if setup_retries is not None:
             # Mooncake retries a missing master 20 times (~90 s) by default.
             os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(setup_retries))
@@ -127,23 +188,27 @@ class MooncakeBackend(Backend):
     def batch_put(self, keys: Sequence[str], values: Sequence[memoryview | bytes]) -> list[bool]:
         if not self._ready or not keys:
             return [False] * len(keys)
-        views = [memoryview(v).cast("B") for v in values]
+        views = [_byte_view(v) for v in values]
         addresses = [buffer_address(v) for v in views]
         if all(self._is_registered(a, len(v)) for a, v in zip(addresses, views, strict=True)):
             codes = self._store.batch_put_from(list(keys), addresses, [len(v) for v in views])
         else:
             codes = [self._store.put(k, bytes(v)) for k, v in zip(keys, views, strict=True)]
+        return self._put_results(codes)
+
+    def _put_results(self, codes: Sequence[int]) -> list[bool]:
         out = []
         for code in codes:
-            if code < 0:
+            ok = put_succeeded(code)
+            if not ok:
                 self._warn_once("put", code)
-            out.append(code == 0)
+            out.append(ok)
         return out
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
         if not self._ready or not keys:
             return [-1] * len(keys)
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = [_byte_view(b) for b in buffers]
         addresses = [buffer_address(v) for v in views]
         if all(self._is_registered(a, len(v)) for a, v in zip(addresses, views, strict=True)):
             # Mooncake checks the destination size (-600 when the value is larger): no overrun.
@@ -176,12 +241,7 @@ class MooncakeBackend(Backend):
         if ptrs is None:
             return self.batch_put(keys, [b"".join(p) for p in parts])
         codes = self._store.batch_put_from_multi_buffers(list(keys), ptrs, sizes)
-        out = []
-        for code in codes:
-            if code < 0:
-                self._warn_once("put", code)
-            out.append(code == 0)
-        return out
+        return self._put_results(codes)
 
     def batch_get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[int]:
         """Each value straight into several registered buffers (KV slices + trailer)."""
@@ -212,7 +272,7 @@ class MooncakeBackend(Backend):
         for bufs in parts:
             row_p, row_s = [], []
             for buf in bufs:
-                view = memoryview(buf).cast("B")
+                view = _byte_view(buf)
                 address = buffer_address(view)
                 if not self._is_registered(address, len(view)):
                     return None, None

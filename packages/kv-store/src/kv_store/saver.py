@@ -25,11 +25,11 @@ from typing import Any
 from kv_common import device
 from kv_common.logging_utils import get_logger
 
-from kv_store import codec
 from kv_store.config import StoreConnectorConfig
 from kv_store.kv_view import KVBlockView
 from kv_store.metadata import BlockTransfer, StorePlan
-from kv_store.staging import CacheBuffers, TrailerArea, spans
+from kv_store.passes import double_buffered, puts_overlapped
+from kv_store.staging import CacheBuffers, TrailerArea
 from kv_store.store_access import StoreAccess
 
 logger = get_logger(__name__)
@@ -49,6 +49,7 @@ class StoreSaver:
         self.writes_blocks = writes_blocks
         self._cache: CacheBuffers | None = None  # from register_kv_caches
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-save")
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-put")  # puts beside the seal
         self._lock = threading.Lock()
         self._pending: dict[str, list[_SaveJob]] = defaultdict(list)
         # Saves given up after save_timeout_s: no later chunk of them is gathered (their blocks
@@ -117,64 +118,79 @@ class StoreSaver:
         view, staging, trailers = self._cache.view, self._cache.staging, self._cache.trailers
         if transfer.request_id in self._released:
             return
+        # No exists round trip first: a put of a key already stored is a success that keeps the
+        # value (the Backend contract), and the scheduler asks for saves only past its hit.
         keys = self._store.keys(transfer.block_hashes)
-        try:
-            present = self._store.backend.batch_exists(keys)
-        except Exception as exc:  # noqa: BLE001 - store down: nothing saved, nothing fails
-            self._store.stats.record_failure("put_error")
-            logger.warning("store save of %s skipped: exists check failed (%s)", transfer.request_id, exc)
-            return
-        todo = [i for i, p in enumerate(present) if not p]
         if trailers is not None and self._parts_saves_safe():
-            self._save_parts(view, transfer, keys, todo, trailers)
+            self._save_parts(view, transfer, keys, trailers)
             return
-        # Runs of consecutive blocks to save, in cache-sized passes: gather, seal and put read
-        # bytes the previous step just touched.
-        for lo, hi in spans(len(todo), codec.blocks_per_pass(view.value_size, staging.slots)):
-            idx = todo[lo:hi]
-            sub = BlockTransfer(
-                request_id=transfer.request_id,
-                block_hashes=[transfer.block_hashes[i] for i in idx],
-                block_ids=[[g[i] for i in idx] for g in transfer.block_ids],
-            )
-            n = len(idx)
+        # Passes of the backend's size through two halves of the staging rows: gather and seal a
+        # pass while the backend puts the previous one.
+        passes, half = double_buffered(len(keys), view.value_size, self._store.backend.pass_bytes, staging.slots)
+
+        def prepare(k: int) -> list[memoryview] | None:
+            lo, hi = passes[k]
+            row = (k % 2) * half
             with self._gather_lock:
                 if transfer.request_id in self._released:
-                    return  # given up: its blocks may hold another request's KV by now
-                view.gather(staging, sub, 0, n)
-            values = staging.values(n)
-            for value, i in zip(values, idx, strict=True):
-                self._store.seal.write(value, view.payload_size, keys[i])
-            self._put(view, transfer.request_id, sub.block_hashes, [keys[i] for i in idx], values,
-                      self._store.backend.batch_put)
+                    return None  # given up: its blocks may hold another request's KV by now
+                view.gather(staging, transfer, lo, hi, row)
+            values = staging.values(hi - lo, row)
+            for value, key in zip(values, keys[lo:hi], strict=True):
+                self._store.seal.write(value, view.payload_size, key)
+            return values
 
-    def _save_parts(self, view: KVBlockView, transfer: BlockTransfer, keys: Sequence[str], todo: Sequence[int],
+        self._put_passes(view, transfer, keys, passes, half, prepare, self._store.backend.batch_put)
+
+    def _save_parts(self, view: KVBlockView, transfer: BlockTransfer, keys: Sequence[str],
                     trailers: TrailerArea) -> None:
-        # cache-sized passes: the backend copies the bytes the seal has just read
-        for lo, hi in spans(len(todo), codec.blocks_per_pass(view.value_size, trailers.slots)):
-            idx = todo[lo:hi]
+        # the backend reads the KV blocks themselves; the trailers alternate between two halves
+        passes, half = double_buffered(len(keys), view.value_size, self._store.backend.pass_bytes, trailers.slots)
+
+        def prepare(k: int) -> list[list[memoryview]] | None:
+            lo, hi = passes[k]
             values = []
             with self._gather_lock:
                 if transfer.request_id in self._released:
-                    return
-                for slot, i in enumerate(idx):
+                    return None
+                for slot, i in enumerate(range(lo, hi), (k % 2) * half):
                     parts = view.block_parts(transfer, i, trailers[slot])
                     self._store.seal.seal_parts(parts, keys[i])
                     values.append(parts)
-            put = self._store.backend.batch_put_parts  # type: ignore[attr-defined]
-            self._put(view, transfer.request_id, [transfer.block_hashes[i] for i in idx], [keys[i] for i in idx],
-                      values, put)
+            return values
 
-    def _put(self, view: KVBlockView, request_id: str, hashes: Sequence[bytes], keys: list[str], values: list[Any],
-             put: Callable[[list[str], list[Any]], Sequence[bool]]) -> None:
-        """One backend put; stats and the stored-blocks report."""
+        put = self._store.backend.batch_put_parts  # type: ignore[attr-defined]
+        self._put_passes(view, transfer, keys, passes, half, prepare, put)
+
+    def _put_passes(self, view: KVBlockView, transfer: BlockTransfer, keys: Sequence[str],
+                    passes: Sequence[tuple[int, int]], half: int, prepare: Callable[[int], list[Any] | None],
+                    put: Callable[[list[str], list[Any]], Sequence[bool]]) -> None:
+        """Each pass prepared here while the previous one's put runs on the I/O thread (when the
+        rows alternate: ``half`` > 0)."""
+        def call(k: int, values: list[Any]) -> tuple[Sequence[bool], float]:
+            lo, hi = passes[k]
+            return self._timed_put(transfer.request_id, list(keys[lo:hi]), values, put)
+
+        def finish(k: int, result: tuple[Sequence[bool], float]) -> None:
+            lo, hi = passes[k]
+            self._record_put(view, transfer.block_hashes[lo:hi], *result)
+
+        puts_overlapped(self._io, len(passes), prepare, call, finish, overlap=half > 0,
+                        proceed=lambda: transfer.request_id not in self._released)
+
+    @staticmethod
+    def _timed_put(request_id: str, keys: list[str], values: list[Any],
+                   put: Callable[[list[str], list[Any]], Sequence[bool]]) -> tuple[Sequence[bool], float]:
         t0 = time.perf_counter()
         try:
             ok = put(keys, values)
         except Exception as exc:  # noqa: BLE001
             ok = [False] * len(keys)
             logger.warning("store put failed for %s: %s", request_id, exc)
-        seconds = time.perf_counter() - t0
+        return ok, time.perf_counter() - t0
+
+    def _record_put(self, view: KVBlockView, hashes: Sequence[bytes], ok: Sequence[bool], seconds: float) -> None:
+        """Stats and the stored-blocks report of one put."""
         stored = [h for h, good in zip(hashes, ok, strict=True) if good]
         self._store.stats.record_put(len(stored) * view.value_size, seconds)
         self._store.stats.incr("blocks_saved", len(stored))
@@ -269,3 +285,4 @@ class StoreSaver:
             except Exception:  # noqa: BLE001 - timeout
                 break
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False)

@@ -28,11 +28,6 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-def spans(n: int, size: int) -> list[tuple[int, int]]:
-    """``[0, n)`` cut into ``(lo, hi)`` passes of at most ``size``."""
-    return [(i, min(i + size, n)) for i in range(0, n, size)]
-
-
 def _unregister(backend: Backend, view: memoryview) -> None:
     try:
         backend.unregister_buffer(view)

@@ -77,6 +77,31 @@ class BackendContract:
         assert backend.batch_get_into([key], [out]) == [self.value_size]
         assert bytes(out) == bytes(src)
 
+    def test_put_without_exists_call_keeps_the_stored_value(self, backend: Backend) -> None:
+        """Callers put without asking ``batch_exists`` first: a batch of a stored key (other bytes
+        now) and a new key succeeds for both, the stored value stays, the new one is readable."""
+        stored, new = _key("stored"), _key("new")
+        src, (first, second) = _buffers(2, self.value_size)
+        src[:] = b"\x01" * len(src)
+        self._register(backend, src)
+        assert backend.batch_put([stored], [first]) == [True]
+        first[:] = b"\x02" * len(first)
+        assert backend.batch_put([stored, new], [first, second]) == [True, True]
+        dst, bufs = _buffers(2, self.value_size)
+        self._register(backend, dst)
+        assert backend.batch_get_into([stored, new], bufs) == [self.value_size] * 2
+        assert bytes(bufs[0]) in (b"\x01" * self.value_size, b"\x02" * self.value_size)  # whole, never mixed
+        assert bytes(bufs[1]) == b"\x01" * self.value_size
+
+    def test_pass_size_and_call_bound_are_well_formed(self, backend: Backend) -> None:
+        """How a caller drives the backend: a positive pass size or None (whole request), and a
+        call bound that is None (unbounded) or a non-negative time that grows with the bytes."""
+        assert backend.pass_bytes is None or (isinstance(backend.pass_bytes, int) and backend.pass_bytes > 0)
+        small, large = backend.call_bound_s(self.value_size), backend.call_bound_s(1024 * self.value_size)
+        assert (small is None) == (large is None)
+        if small is not None and large is not None:
+            assert 0 <= small <= large
+
     def test_get_into_too_small_buffer_is_a_miss_not_an_overrun(self, backend: Backend) -> None:
         key = _key("big")
         src, (buf,) = _buffers(1, self.value_size)

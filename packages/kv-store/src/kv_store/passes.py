@@ -1,0 +1,92 @@
+"""A request's blocks cut into backend calls ("passes"), and each call overlapped with the CPU work
+on its neighbour: the value check of a pass runs on the caller's thread while the backend moves
+the next (loads) or the previous (saves) pass on a second thread.
+
+- Pass size is the backend's (``Backend.pass_bytes``): cache-sized for a memory backend, so the
+  check reads bytes the copy just brought into cache; the whole request for an RPC backend, whose
+  every call costs a round trip.
+- The overlap pays where the call leaves the GIL (Mooncake's calls, torch copies): xxh3 holds it.
+- Every call is waited for before these functions return, even after a failure: nothing a call
+  writes lands in a buffer the caller has already handed back (a KV block vLLM recomputes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def spans(n: int, size: int) -> list[tuple[int, int]]:
+    """``[0, n)`` cut into ``(lo, hi)`` passes of at most ``size``."""
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def blocks_per_call(value_size: int, pass_bytes: int | None, limit: int) -> int:
+    """Blocks of ``value_size`` bytes per backend call: ``pass_bytes`` worth (None: no cap), at most
+    ``limit`` (the buffer rows there are), at least 1."""
+    per = limit if pass_bytes is None else pass_bytes // max(1, value_size)
+    return max(1, min(limit, per))
+
+
+def double_buffered(n: int, value_size: int, pass_bytes: int | None, slots: int) -> tuple[list[tuple[int, int]], int]:
+    """Passes over ``n`` blocks through ``slots`` buffer rows, and the row offset of the second of
+    two alternating halves (0 when one pass is all there is, or the rows do not halve): pass ``k``
+    uses rows from ``(k % 2) * offset``, so preparing a pass never writes rows the previous call
+    still reads."""
+    per = blocks_per_call(value_size, pass_bytes, slots)
+    if per >= n:
+        return [(0, n)] if n else [], 0
+    per = blocks_per_call(value_size, pass_bytes, max(1, slots // 2))
+    return spans(n, per), per if 2 * per <= slots else 0
+
+
+def puts_overlapped(io: Executor, count: int, prepare: Callable[[int], T | None],
+                    call: Callable[[int, T], R], finish: Callable[[int, R], None], *, overlap: bool = True,
+                    proceed: Callable[[], bool] = lambda: True) -> None:
+    """Saves: ``prepare(k)`` (gather, seal) on this thread while ``call(k - 1)`` (the put) runs on
+    ``io``; ``finish`` on this thread, in order. ``prepare`` returning None stops (calls already
+    started are still finished). With alternating buffers prepare(k) never touches call(k - 1)'s:
+    call(k - 2) is finished before prepare(k) starts. ``overlap`` False (one set of buffers):
+    each call is finished before the next pass is prepared. ``proceed()`` is asked again before
+    each call: a pass prepared while the previous call hung is not put once the save is given up."""
+    pending: tuple[int, Future] | None = None
+    try:
+        for k in range(count):
+            if not overlap and pending is not None:
+                finish(pending[0], pending[1].result())
+                pending = None
+            prepared = prepare(k)
+            if pending is not None:
+                finish(pending[0], pending[1].result())
+                pending = None
+            if prepared is None or not proceed():
+                return
+            pending = (k, io.submit(call, k, prepared))
+        if pending is not None:
+            finish(pending[0], pending[1].result())
+            pending = None
+    finally:
+        if pending is not None:
+            pending[1].exception()  # drain: the put may still read the buffers
+
+
+def gets_overlapped(io: Executor, count: int, call: Callable[[int], R], finish: Callable[[int, R], bool]) -> None:
+    """Loads: ``call(k + 1)`` (the get) runs on ``io`` while ``finish(k)`` (the check) runs here;
+    ``finish`` returning False stops. Returns only once no call is in flight."""
+    if count <= 0:
+        return
+    future: Future | None = io.submit(call, 0)
+    try:
+        for k in range(count):
+            assert future is not None
+            result = future.result()
+            future = io.submit(call, k + 1) if k + 1 < count else None
+            if not finish(k, result):
+                return
+    finally:
+        if future is not None:
+            future.exception()  # drain: never return while a get still writes into the buffers
