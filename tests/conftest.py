@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kv_common.testing.ports import use_loopback_host
@@ -95,3 +99,23 @@ def mooncake_leaks(port: int, timeout_s: float = 30.0, host: str = "127.0.0.1") 
         except SideChannelTimeout:
             if time.monotonic() > deadline:
                 raise
+
+
+@contextlib.contextmanager
+def running_engines(engines: list[Any]) -> Iterator[None]:
+    """Start ``engines`` (``EngineProcess``) in parallel (engine start dominates), wait for all, stop
+    them in parallel (each graceful shutdown takes seconds)."""
+    t0 = time.perf_counter()
+    for e in engines:
+        e.start(wait=False)
+    try:
+        for e in engines:
+            e.wait_ready()
+        print(f"\n[engines] {len(engines)} engines ready in {time.perf_counter() - t0:.1f}s")
+        yield
+    finally:
+        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 40}) for e in engines]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(60)

@@ -22,7 +22,6 @@ That is the connector working as designed; the expiry test now shortens one requ
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -34,7 +33,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
-from conftest import mooncake_leaks  # noqa: E402
+from conftest import mooncake_leaks, running_engines  # noqa: E402
 from kv_common.testing import EngineError, EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 
@@ -111,26 +110,6 @@ def _assert_clean(*ports: int, timeout_s: float = 30.0) -> None:
             port, report)
 
 
-@contextlib.contextmanager
-def _running(engines: list[EngineProcess]):
-    """Start ``engines`` in parallel (engine start dominates), wait for all, stop them in parallel
-    (each graceful shutdown takes seconds)."""
-    t0 = time.perf_counter()
-    for e in engines:
-        e.start(wait=False)
-    try:
-        for e in engines:
-            e.wait_ready()
-        print(f"\n[engines] {len(engines)} engines ready in {time.perf_counter() - t0:.1f}s")
-        yield
-    finally:
-        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 40}) for e in engines]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(60)
-
-
 @pytest.fixture(scope="module")
 def engines():
     model = str(cached_tiny_model())
@@ -143,7 +122,7 @@ def engines():
     }
     engs = {name: EngineProcess(model, kv_transfer_config=cfg, cpu_bind=bind, name=name, **common)
             for name, (cfg, bind) in specs.items()}
-    with _running(list(engs.values())):
+    with running_engines(list(engs.values())):
         yield engs
 
 

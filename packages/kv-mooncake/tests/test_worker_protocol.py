@@ -178,17 +178,6 @@ def test_done_is_retried_until_a_slow_prefill_answers(prefill, monkeypatch):
     decode.close()
 
 
-def test_hybrid_kv_cache_is_refused_with_a_reason():
-    from types import SimpleNamespace
-
-    from kv_mooncake.worker import check_kv_cache_groups
-
-    check_kv_cache_groups(None)  # no config (older vLLM): nothing to check
-    check_kv_cache_groups(SimpleNamespace(kv_cache_groups=[object()]))
-    with pytest.raises(ValueError, match="one KV-cache group; this model has 2"):
-        check_kv_cache_groups(SimpleNamespace(kv_cache_groups=[object(), object()]))
-
-
 def test_decode_request_aborted_before_scheduling_still_frees_the_prefill(prefill):
     """The decode scheduler saw the request (async lookup) but it finished before its blocks were
     allocated: the prefill must be told to free now, not after its hold expires."""

@@ -11,13 +11,15 @@ from kv_mooncake.config import load_config
 from kv_mooncake.declared_layout import start_up_contradictions
 from kv_mooncake.fingerprint import config_fingerprint, unsupported_settings
 from kv_mooncake.metadata import MooncakeStep
-from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
+from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank, plans_per_group
 from kv_mooncake.scheduler import MooncakeScheduler, side_channel_base_port
 from kv_mooncake.worker import MooncakeWorker, check_kv_cache_groups
 
 logger = get_logger(__name__)
 
 _base = vllm_compat.base_module()
+# vLLM keeps its hybrid KV-cache manager on only for connectors that are SupportsHMA.
+_SupportsHMA: Any = getattr(_base, "SupportsHMA", object)
 
 
 class MooncakeConnectorMetadata(_base.KVConnectorMetadata):  # type: ignore[name-defined]  # vLLM's, at run time
@@ -43,16 +45,23 @@ def _kv_shape(vllm_config: Any, use_mla: bool) -> dict[str, int]:
     return {} if shape is None else {"heads_on_rank": shape[0], "head_size": shape[1]}
 
 
-class MooncakeConnectorV1(_base.KVConnectorBase_V1):  # type: ignore[name-defined]
+class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: ignore[name-defined]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        check_kv_cache_groups(kv_cache_config)
+        groups = check_kv_cache_groups(kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.config = load_config(dict(ktc.kv_connector_extra_config or {}))
+        if plans_per_group(groups) and self.config.verify_kv:
+            raise ValueError("MooncakeConnectorV1: verify_kv=true with hybrid KV-cache groups "
+                             f"({', '.join(g.kind for g in groups)}): set verify_kv=false (its digests "
+                             "cover one group's layers)")
         self.engine_id = str(ktc.engine_id)
         par = _parallel(vllm_config)
         fingerprint = config_fingerprint(vllm_config)
         problems = unsupported_settings(fingerprint, is_consumer=bool(ktc.is_kv_consumer))
+        if plans_per_group(groups) and fingerprint["dcp_size"] > 1:
+            problems.append(f"decode_context_parallel_size={fingerprint['dcp_size']} with hybrid KV-cache groups "
+                            f"({', '.join(g.kind for g in groups)}): supported with 1")
         if problems:
             raise ValueError("MooncakeConnectorV1 cannot read this KV layout right: " + "; ".join(problems))
         is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
@@ -71,7 +80,7 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):  # type: ignore[name-define
             self._scheduler = MooncakeScheduler(
                 self.config, engine_id=self.engine_id, block_size=int(vllm_config.cache_config.block_size),
                 is_producer=is_producer, is_consumer=is_consumer, side_channel_port=port,
-                tp_size=par["tp"], pcp_size=par["pcp"], dcp_size=par["dcp"],
+                tp_size=par["tp"], pcp_size=par["pcp"], dcp_size=par["dcp"], groups=groups,
             )
         else:
             model = vllm_config.model_config
@@ -96,7 +105,7 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):  # type: ignore[name-define
                                              pcp_size=par["pcp"], dcp_size=par["dcp"], use_mla=use_mla),
                 decode_layout=DecodeLayout(tp_size=par["tp"], dcp_size=par["dcp"]),
                 total_kv_heads=total_heads, use_mla=use_mla,
-                compatibility_base={**fingerprint, **_kv_shape(vllm_config, use_mla)},
+                compatibility_base={**fingerprint, **_kv_shape(vllm_config, use_mla)}, kv_groups=groups,
             )
 
     # ---- scheduler side ----------------------------------------------------------------------
@@ -115,6 +124,11 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1):  # type: ignore[name-define
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """vLLM's hybrid manager (SupportsHMA): the request's block ids of every KV-cache group."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, tuple(block_ids))
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:

@@ -35,13 +35,16 @@ from kv_mooncake.peer_health import PeerQueues
 from kv_mooncake.prefill_messenger import PrefillMessenger, peer_address
 from kv_mooncake.pull_errors import PeerDown, PullFailed
 from kv_mooncake.pull_plan import (
+    NULL_BLOCK_ID,
     DecodeLayout,
     DecodeRank,
+    GroupBlocks,
+    PlanError,
     PrefillLayout,
     PrefillRank,
     RankPull,
-    plan_pulls,
-    readers_per_prefill_rank,
+    group_readers_per_prefill_rank,
+    plan_group_pulls,
     request_seed,
 )
 
@@ -62,12 +65,13 @@ class _PullJob:
     deadline: float = 0.0
     counts: dict[PrefillRank, int] = field(default_factory=dict)
     pulls: list[RankPull] = field(default_factory=list)
+    by_source: dict[PrefillRank, list[RankPull]] = field(default_factory=dict)  # ``pulls`` per prefill rank
     remaining: int = 0
     nbytes: int = 0
     errors: list[Exception] = field(default_factory=list)
     failed_ranks: set[PrefillRank] = field(default_factory=set)
     told: set[PrefillRank] = field(default_factory=set)  # ranks whose DONE went out with the read
-    unread: set[int] = field(default_factory=set)  # local block positions not read
+    unread: set[tuple[int, int]] = field(default_factory=set)  # (group, local block position) not read
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -97,6 +101,23 @@ def check_peer(cache: LocalCache, source: RemoteSource, hs: P.HandshakeReply) ->
                          f"prefill {hs.kernel_blocks_per_block}")
 
 
+def no_null_blocks(req: PullRequest, groups: list[GroupBlocks]) -> None:
+    """With several KV-cache groups, vLLM's null block (id 0) stands for a sliding window's dropped
+    blocks: a block to pull must be a real one on both sides, else its KV is gone (or would land in
+    the null block, which every request shares)."""
+    remote = req.source.group_block_ids()
+    if not (len(groups) == len(remote) == len(req.local_block_ids)):
+        raise PlanError(f"KV-cache groups: {len(groups)} planned, the decode has {len(req.local_block_ids)} "
+                        f"block lists, the prefill sent {len(remote)}")
+    for g, blocks in enumerate(groups):
+        for side, ids in (("prefill", remote[g]), ("decode", req.local_block_ids[g])):
+            if len(ids) < blocks.end:
+                raise PlanError(f"KV-cache group {g}: the {side} has {len(ids)} blocks, {blocks.end} needed")
+            if NULL_BLOCK_ID in ids[max(0, blocks.first):blocks.end]:
+                raise PlanError(f"KV-cache group {g}: the {side}'s blocks {blocks.first}..{blocks.end - 1} "
+                                "include vLLM's null block (a block its sliding window dropped)")
+
+
 PairedRuns = Callable[[KVPart, KVPart, Any], list[tuple[int, int, int]]]
 
 
@@ -105,17 +126,24 @@ def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, p
     """(local addresses, remote addresses, lengths) of ``pull``: every layer, every KV tensor of it,
     every logical block (each of its kernel blocks), every head span; ranges contiguous on both
     sides are merged. ``paired_runs(local part, remote part, span)``: the byte runs of a head span
-    inside one block, paired between the two layouts."""
+    inside one block, paired between the two layouts. Only the layers of the pull's KV-cache group
+    move, each addressed through that group's block lists."""
     check_peer(cache, req.source, hs)
     rparts_by_layer = remote_parts(hs)
     remote_index = {name: i for i, name in enumerate(hs.layer_names)}
-    local_ids = req.local_block_ids[0]
-    remote_ids = req.source.block_ids
+    remote_groups = req.source.group_block_ids()
+    if not (pull.group < len(req.local_block_ids) and pull.group < len(remote_groups)):
+        raise PullFailed(f"KV-cache group {pull.group}: the decode has {len(req.local_block_ids)} block lists, "
+                         f"the prefill sent {len(remote_groups)}")
+    local_ids = req.local_block_ids[pull.group]
+    remote_ids = remote_groups[pull.group]
     ratio = cache.kernel_blocks_per_block
     local: list[int] = []
     remote: list[int] = []
     lengths: list[int] = []
     for li, name in enumerate(cache.layer_names):
+        if cache.group_of(li) != pull.group:
+            continue
         ri = remote_index.get(name)
         if ri is None:
             raise PullFailed(f"layer {name} missing on the prefill")
@@ -217,42 +245,46 @@ class DecodePuller:
         job = _PullJob(req=req, prefill=self._layouts(req.source), start=time.monotonic())
         job.deadline = job.start + self.config.pull_timeout_s
         seed = request_seed(req.source.request_id)
+        groups = req.blocks_by_group()
         try:
-            job.counts = readers_per_prefill_rank(job.prefill, self.decode_layout, req.num_blocks, req.skip_blocks, seed)
-            job.pulls = plan_pulls(job.prefill, self.decode_layout, self.decode_rank, req.num_blocks,
-                                   req.skip_blocks, seed)
+            if req.group_blocks:
+                no_null_blocks(req, groups)
+            job.counts = group_readers_per_prefill_rank(job.prefill, self.decode_layout, groups, seed)
+            job.pulls = plan_group_pulls(job.prefill, self.decode_layout, self.decode_rank, groups, seed)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
             job.errors.append(exc)
-            job.unread.update(range(max(0, req.skip_blocks), req.num_blocks))
+            job.unread.update((g, p) for g, blocks in enumerate(groups) for p in range(max(0, blocks.first), blocks.end))
             self._finish(job)
             return
-        job.remaining = len(job.pulls)
-        if not job.pulls:
+        for pull in job.pulls:  # one read (lease, DONE) per prefill rank, all groups in it
+            job.by_source.setdefault(pull.source, []).append(pull)
+        job.remaining = len(job.by_source)
+        if not job.by_source:
             self._finish(job)
             return
-        for pull in job.pulls:
-            address = peer_address(req.source, pull.source, job.prefill)
+        for source, pulls in job.by_source.items():
+            address = peer_address(req.source, source, job.prefill)
             if self._queues is None:  # kv_producer only: still answer the protocol, inline
-                self._pull_rank(job, pull, address)
+                self._pull_rank(job, pulls, address)
                 continue
             try:
-                self._queues.submit(address, self._pull_rank, job, pull, address)
+                self._queues.submit(address, self._pull_rank, job, pulls, address)
             except RuntimeError as exc:  # shutting down
-                self._rank_done(job, pull, 0, set(), exc)
+                self._rank_done(job, pulls, 0, set(), exc)
 
-    def _pull_rank(self, job: _PullJob, pull: RankPull, address: str) -> None:
-        read: set[int] = set()  # local block positions fully read from this rank
+    def _pull_rank(self, job: _PullJob, pulls: list[RankPull], address: str) -> None:
+        read: set[tuple[int, int]] = set()  # (group, local block position) fully read from this rank
         nbytes, error = 0, None
         try:
             self.messenger.check_not_down(address)
-            nbytes = self._pull_from_rank(job, pull, address, read)
+            nbytes = self._pull_from_rank(job, pulls, address, read)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
             error = exc
         if read:
-            error = self._confirm_read(job, pull, address, read, error)
-        self._rank_done(job, pull, nbytes, read, error)
+            error = self._confirm_read(job, pulls[0], address, read, error)
+        self._rank_done(job, pulls, nbytes, read, error)
 
-    def _confirm_read(self, job: _PullJob, pull: RankPull, address: str, read: set[int],
+    def _confirm_read(self, job: _PullJob, pull: RankPull, address: str, read: set[tuple[int, int]],
                       error: Exception | None) -> Exception | None:
         """The DONE to this rank, now, with its reply: unless the lease held from PullStarted to the
         DONE, nothing read from the rank counts (``read`` is emptied, its blocks become load errors)."""
@@ -276,13 +308,15 @@ class DecodePuller:
         return error or PullFailed(f"{address}: the hold on request {source.request_id} did not last the "
                                    f"whole read ({why}): what was read is void")
 
-    def _rank_done(self, job: _PullJob, pull: RankPull, nbytes: int, read: set[int], error: Exception | None) -> None:
+    def _rank_done(self, job: _PullJob, pulls: list[RankPull], nbytes: int, read: set[tuple[int, int]],
+                   error: Exception | None) -> None:
         with job.lock:
             job.nbytes += nbytes
             if error is not None:
                 job.errors.append(error)
-                job.failed_ranks.add(pull.source)
-                job.unread.update(dst for _, dst in pull.blocks if dst not in read)
+                job.failed_ranks.add(pulls[0].source)
+                job.unread.update(block for pull in pulls for _, dst in pull.blocks
+                                  if (block := (pull.group, dst)) not in read)
             job.remaining -= 1
             last = job.remaining == 0
         if last:
@@ -299,26 +333,31 @@ class DecodePuller:
             error = job.errors[0]
             logger.warning("MooncakeConnectorV1: pull of request %s (remote %s) failed after %.2fs: %s "
                            "(%d of %d blocks not read)", req.request_id, source.request_id,
-                           time.monotonic() - job.start, error, len(job.unread), req.num_blocks - req.skip_blocks)
+                           time.monotonic() - job.start, error, len(job.unread),
+                           sum(max(0, b.end - max(0, b.first)) for b in req.blocks_by_group()))
             self.stats.record_failure("timeout" if "deadline" in str(error) else "pull")
             # Only what was not read: vLLM recomputes from the first failed block on.
             unread = sorted(job.unread)
-            self.ledger.record_failed_load(req.request_id, [[g[p] for p in unread if p < len(g)]
-                                                            for g in req.local_block_ids])
+            self.ledger.record_failed_load(req.request_id, [[ids[p] for g, p in unread if g == group and p < len(ids)]
+                                                            for group, ids in enumerate(req.local_block_ids)])
             self.messenger.forget_handshakes(source.engine_id)
         with self._lock:
             self._pending_pulls.discard(req.request_id)
             self._finished.add(req.request_id)
-        self.messenger.pull_finished(source, job.prefill, job.counts, job.pulls, job.failed_ranks,
-                                     frozenset(job.told))
+        self.messenger.pull_finished(source, job.prefill, job.counts, [ps[0] for ps in job.by_source.values()],
+                                     job.failed_ranks, frozenset(job.told))
 
-    def _pull_from_rank(self, job: _PullJob, pull: RankPull, address: str, read: set[int]) -> int:
+    def _pull_from_rank(self, job: _PullJob, pulls: list[RankPull], address: str, read: set[tuple[int, int]]) -> int:
         req, deadline = job.req, job.deadline
         source = req.source
         hs = self.messenger.handshake(address, source.engine_id, deadline)
-        block_ids = sorted({source.block_ids[src_pos] for src_pos, _ in pull.blocks})
+        remote_groups = source.group_block_ids()
+        try:
+            block_ids = sorted({remote_groups[pull.group][src_pos] for pull in pulls for src_pos, _ in pull.blocks})
+        except IndexError as exc:
+            raise PullFailed(f"a planned block is outside the prefill's block lists: {exc}") from exc
         started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id,
-                                expected_readers=job.counts[pull.source], block_ids=block_ids,
+                                expected_readers=job.counts[pulls[0].source], block_ids=block_ids,
                                 prompt_digest=req.prompt_digest)
         reply = self.messenger.take_lease(address, started, deadline)
         hs = self.messenger.same_boot(address, source.engine_id, hs, reply.boot_id, deadline)
@@ -339,13 +378,13 @@ class DecodePuller:
         # Several batches in flight (asynchronous TE reads, transfer_engine.read_batches); each is
         # verified and counted as read once its bytes landed, in order.
         batches = [dataclasses.replace(pull, blocks=pull.blocks[start:start + PULL_BATCH_BLOCKS])
-                   for start in range(0, len(pull.blocks), PULL_BATCH_BLOCKS)]
+                   for pull in pulls for start in range(0, len(pull.blocks), PULL_BATCH_BLOCKS)]
 
         def landed(i: int) -> None:
             on_chunk()  # first, as before: a refused lease renewal leaves this batch unread
             if digests is not None:
                 self._verify(req, batches[i], hs, digests)
-            read.update(dst for _, dst in batches[i].blocks)
+            read.update((batches[i].group, dst) for _, dst in batches[i].blocks)
 
         return int(self.te.read_batches(hs.te_address, (self._addresses(req, b, hs) for b in batches), deadline,
                                         landed, on_retry=lambda _why: self.stats.incr("transfer_retries")))
@@ -384,7 +423,8 @@ class DecodePuller:
         index = {name: i for i, name in enumerate(self.cache.layer_names)}
         layers = [index[name] for name in hs.layer_names]  # the prefill's layer order
         for src_pos, dst_pos in batch.blocks:
-            remote_block, local_block = req.source.block_ids[src_pos], req.local_block_ids[0][dst_pos]
+            remote_block = req.source.group_block_ids()[batch.group][src_pos]
+            local_block = req.local_block_ids[batch.group][dst_pos]
             for span in batch.spans:
                 got = head_digests(ranges, layers, local_block,
                                    range(span.dst_head, span.dst_head + span.num_heads))

@@ -8,10 +8,15 @@ wrong KV later.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+from kv_common.kv_cache_groups import KVGroup
 from kv_common.vllm_compat import kv_byte_settings
+
+from kv_mooncake.pull_plan import plans_per_group
 
 
 def config_fingerprint(vllm_config: Any) -> dict[str, Any]:
@@ -20,6 +25,15 @@ def config_fingerprint(vllm_config: Any) -> dict[str, Any]:
     ``model_weights`` names the checkpoint the model path holds: a prefill and a decode serving the
     same path with different weights refuse each other's pulls."""
     return msgspec.structs.asdict(kv_byte_settings(vllm_config))
+
+
+def group_layouts(groups: Sequence[KVGroup]) -> tuple[str, ...]:
+    """Each KV-cache group's layout (kind, block size, window, layers) for the handshake: a prefill and
+    a decode pair only when every group matches, since each layer is read through its own group's
+    block ids. Empty for one full-attention group, as peers without hybrid support send."""
+    if not plans_per_group(groups):
+        return ()
+    return tuple(json.dumps(group.describe(), sort_keys=True, separators=(",", ":")) for group in groups)
 
 
 def unsupported_settings(fp: dict[str, Any], *, is_consumer: bool) -> list[str]:

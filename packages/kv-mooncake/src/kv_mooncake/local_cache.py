@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kv_common.kv_cache_groups import KVGroup, UnsupportedKVGroup, kv_groups, refuse_state_groups
 from kv_common.kv_layout import KVPart, LayoutError, head_span_runs, infer_roles, layout_name
 
 
@@ -31,6 +32,12 @@ class LocalCache:
     parts: list[list[KVPart]] | None = None
     kernel_blocks_per_block: int = 1
     layout: str = "raw:[blocks,heads,bytes]"
+    # KV-cache group of each layer (vLLM's hybrid manager: a group per attention kind, each with its
+    # own block table); None: every layer in group 0.
+    layer_groups: list[int] | None = None
+
+    def group_of(self, li: int) -> int:
+        return self.layer_groups[li] if self.layer_groups is not None else 0
 
     def layer_parts(self, li: int) -> list[KVPart]:
         if self.parts is not None:
@@ -41,9 +48,13 @@ class LocalCache:
                        roles=("block", "head", "dim"))]
 
     def regions(self) -> list[tuple[int, int]]:
-        """(address, bytes) to register with the TransferEngine."""
-        return [(part.base, part.span_bytes()) for li in range(len(self.layer_names))
-                for part in self.layer_parts(li)]
+        """(address, bytes) to register with the TransferEngine, each region once: vLLM's hybrid
+        manager lets one layer of each KV-cache group share a tensor."""
+        spans: dict[int, int] = {}
+        for li in range(len(self.layer_names)):
+            for part in self.layer_parts(li):
+                spans[part.base] = max(spans.get(part.base, 0), part.span_bytes())
+        return list(spans.items())
 
 
 def _parts_of(name: str, value: Any, heads: int, head_size: int, use_mla: bool) -> list[KVPart]:
@@ -115,19 +126,36 @@ def describe_kv_caches(
                    "num_layers": len(names)}
 
 
-def check_kv_cache_groups(kv_cache_config: Any) -> None:
-    """Refuse hybrid KV caches (several groups, e.g. sliding-window plus full-attention layers).
+SERVED_GROUP_KINDS = ("full", "sliding_window", "chunked_local")
 
-    Each group has its own block table; the pull addresses every layer through one list of block
-    ids, so a second group would be read from the wrong blocks: wrong tokens, silently.
-    """
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) > 1:
-        raise ValueError(
-            f"MooncakeConnectorV1 supports one KV-cache group; this model has {len(groups)} "
-            "(hybrid attention, e.g. sliding-window layers). Use a store connector (AscendStoreConnector) "
-            "for it, or run it without disaggregated prefill."
-        )
+
+def check_kv_cache_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
+    """The KV-cache groups this connector moves (empty without a config: one group, every layer).
+
+    Full-attention, sliding-window and chunked-local groups are served, each layer through its own group's block
+    ids. State groups (Mamba and kin: a request's state, not token blocks) are refused at start-up,
+    as are groups the pull plan has no rule for, and groups of different block sizes (one block
+    count covers a prompt in every group)."""
+    if kv_cache_config is None:
+        return ()
+    groups = kv_groups(kv_cache_config)
+    refuse_state_groups(groups, "MooncakeConnectorV1")
+    configured = len(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) != configured:  # vLLM's block-id tuples still count every group: positions would shift
+        raise UnsupportedKVGroup(f"MooncakeConnectorV1: {configured - len(groups)} of {configured} KV-cache "
+                                 "groups are not transferable (enable_kv_transfer=False)")
+    for group in groups:
+        if group.kind not in SERVED_GROUP_KINDS:
+            raise UnsupportedKVGroup(
+                f"MooncakeConnectorV1: KV-cache group {group.index} is {group.kind} ({group.spec_name}, layers "
+                f"{', '.join(group.layer_names)}); it moves {' and '.join(SERVED_GROUP_KINDS)} groups only")
+    sizes = {group.block_size for group in groups}
+    if len(sizes) > 1:
+        raise UnsupportedKVGroup(
+            "MooncakeConnectorV1: KV-cache groups of different block sizes ("
+            + ", ".join(f"group {g.index} {g.kind}: {g.block_size}" for g in groups)
+            + "); it moves groups of one block size")
+    return groups
 
 
 def head_ranges(cache: LocalCache, li: int, block: int, head: int) -> list[tuple[int, int]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kv_mooncake.pull_plan import GroupBlocks
+
 
 class RemoteSource(msgspec.Struct, frozen=True, kw_only=True):
     """Where a request's KV lives: copied from the prefill's ``kv_transfer_params``."""
@@ -12,10 +14,15 @@ class RemoteSource(msgspec.Struct, frozen=True, kw_only=True):
     host: str
     port: int  # side-channel base port of the prefill instance (its DP rank included)
     request_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # the first (with one group: the only) KV-cache group's
     tp_size: int = 1
     pcp_size: int = 1
     dcp_size: int = 1
+    block_ids_by_group: list[list[int]] = []  # with several KV-cache groups (HMA): each group's
+
+    def group_block_ids(self) -> list[list[int]]:
+        """The prefill's block ids of each KV-cache group."""
+        return self.block_ids_by_group or [self.block_ids]
 
 
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,6 +32,14 @@ class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: int  # logical blocks covering the prompt
     skip_blocks: int  # already computed locally (prefix-cache hit): not pulled
     prompt_digest: str = ""  # this request's prompt (prompt_identity), sent with PullStarted
+    # With several KV-cache groups: each group's logical blocks to pull, [first, end) (a sliding
+    # window's group starts where its window does). Empty: one group, [skip_blocks, num_blocks).
+    group_blocks: list[tuple[int, int]] = []
+
+    def blocks_by_group(self) -> list[GroupBlocks]:
+        if self.group_blocks:
+            return [GroupBlocks(first, end) for first, end in self.group_blocks]
+        return [GroupBlocks(max(0, self.skip_blocks), self.num_blocks)]
 
 
 class HoldRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -50,6 +50,8 @@ class Compatibility(msgspec.Struct, frozen=True, kw_only=True):
     # The side-channel protocol this instance speaks (vLLM's NIXL folds its connector version into
     # its compatibility hash likewise). Missing on the wire: a release from before versioning.
     protocol_version: int = UNVERSIONED
+    # vLLM's KV-cache groups (fingerprint.group_layouts): () for one full-attention group.
+    kv_groups: tuple[str, ...] = ()
 
     def differences(self, other: Compatibility, mine: str = "decode", theirs: str = "prefill") -> list[str]:
         """One line per differing setting, naming it and both values. Peers of two protocol versions
@@ -60,8 +62,18 @@ class Compatibility(msgspec.Struct, frozen=True, kw_only=True):
         return [
             f"{name}: {mine} {getattr(self, name)!r}, {theirs} {getattr(other, name)!r}"
             for name in self.__struct_fields__
-            if getattr(self, name) != getattr(other, name)
-        ]
+            if name != "kv_groups" and getattr(self, name) != getattr(other, name)
+        ] + group_differences(self.kv_groups, other.kv_groups, mine, theirs)
+
+
+def group_differences(mine_groups: tuple[str, ...], their_groups: tuple[str, ...], mine: str,
+                      theirs: str) -> list[str]:
+    """The KV-cache groups that differ, one line each, naming the group and both layouts."""
+    if len(mine_groups) != len(their_groups):
+        return [f"kv_groups: {mine} {len(mine_groups) or 1} KV-cache groups {list(mine_groups) or '(one, full attention)'}, "
+                f"{theirs} {len(their_groups) or 1} {list(their_groups) or '(one, full attention)'}"]
+    return [f"kv_groups: group {i}: {mine} {a}, {theirs} {b}"
+            for i, (a, b) in enumerate(zip(mine_groups, their_groups)) if a != b]
 
 
 class Handshake(msgspec.Struct, tag=True, frozen=True, kw_only=True):

@@ -27,8 +27,13 @@ so a run of heads inside one block is one contiguous byte range.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import NamedTuple
+
+from kv_common.kv_cache_groups import KVGroup, first_needed_block
+
+NULL_BLOCK_ID = 0  # vLLM's null block (``BlockPool.null_block``): a placeholder every request shares
 
 
 class PlanError(ValueError):
@@ -109,6 +114,14 @@ class RankPull:
     source: PrefillRank
     spans: tuple[HeadSpan, ...]
     blocks: tuple[tuple[int, int], ...]  # (position in remote block list, position in local block list)
+    group: int = 0  # the KV-cache group whose block lists the positions index (and whose layers move)
+
+
+class GroupBlocks(NamedTuple):
+    """The logical blocks ``[first, end)`` of one KV-cache group that a decode pulls."""
+
+    first: int
+    end: int
 
 
 def request_seed(request_id: str) -> int:
@@ -225,6 +238,53 @@ def plan_pulls(
             pulls.append(RankPull(PrefillRank(src_tp, pcp_rank), tuple(spans[src_tp]),
                                   tuple(blocks_by_shard[shard])))
     return pulls
+
+
+def plans_per_group(groups: Sequence[KVGroup]) -> bool:
+    """Whether a request's blocks are planned group by group: several groups (vLLM's hybrid
+    manager), or one whose blocks are not all kept (a sliding window's). One full-attention group
+    (or none known) keeps the single-list plan, and its wire form."""
+    return len(groups) > 1 or any(group.kind != "full" for group in groups)
+
+
+def group_blocks_to_pull(groups: Sequence[KVGroup], *, num_tokens: int,
+                         num_computed_tokens: int) -> list[GroupBlocks]:
+    """Each KV-cache group's logical blocks a decode pulls for a request of ``num_tokens`` tokens of
+    which ``num_computed_tokens`` are a local prefix-cache hit: from the first block not computed
+    locally that the group still needs after ``num_tokens`` tokens (vLLM drops a sliding window's
+    earlier blocks, leaving its null block there) to the block holding the last token."""
+    out = []
+    for group in groups:
+        end = -(-num_tokens // group.block_size)
+        first = max(num_computed_tokens // group.block_size, first_needed_block(num_tokens, group))
+        out.append(GroupBlocks(min(first, end), end))
+    return out
+
+
+def plan_group_pulls(
+    prefill: PrefillLayout,
+    decode: DecodeLayout,
+    rank: DecodeRank,
+    groups: Sequence[GroupBlocks],
+    seed: int = 0,
+) -> list[RankPull]:
+    """``plan_pulls`` for each KV-cache group's blocks (``groups[g]`` for group ``g``): one
+    ``RankPull`` per (prefill rank, group), ordered by prefill rank. The heads and the source ranks
+    do not depend on the group; only which positions of the group's block lists move."""
+    pulls = [replace(pull, group=g) for g, blocks in enumerate(groups)
+             for pull in plan_pulls(prefill, decode, rank, blocks.end, blocks.first, seed)]
+    return sorted(pulls, key=lambda pull: (pull.source.pcp_rank, pull.source.tp_rank, pull.group))
+
+
+def group_readers_per_prefill_rank(
+    prefill: PrefillLayout, decode: DecodeLayout, groups: Sequence[GroupBlocks], seed: int = 0
+) -> dict[PrefillRank, int]:
+    """For every prefill rank: how many decode ranks pull from it, any group (each reads it once)."""
+    counts = {r: 0 for r in prefill.ranks()}
+    for d in decode.ranks():
+        for source in {pull.source for pull in plan_group_pulls(prefill, decode, d, groups, seed)}:
+            counts[source] += 1
+    return counts
 
 
 def readers_per_prefill_rank(

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from kv_common.kv_cache_groups import KVGroup
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
 
@@ -19,6 +20,7 @@ from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.declared_layout import peer_layout_contradiction
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest
 from kv_mooncake.prompt_identity import request_digest, same_prompt
+from kv_mooncake.pull_plan import NULL_BLOCK_ID, group_blocks_to_pull, plans_per_group
 from kv_mooncake.transfer_params import (
     MAX_PREFILL_RANKS,
     TransferParams,
@@ -59,6 +61,7 @@ class MooncakeScheduler:
         tp_size: int = 1,
         pcp_size: int = 1,
         dcp_size: int = 1,
+        groups: tuple[KVGroup, ...] = (),
         clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
@@ -69,6 +72,8 @@ class MooncakeScheduler:
         # What the decode is told to reach this prefill at: asked once (vLLM's helper may look up routes).
         self.advertised_host = config.advertised_host() if is_producer else ""
         self.tp_size, self.pcp_size, self.dcp_size = tp_size, pcp_size, dcp_size
+        # vLLM's KV-cache groups (local_cache.check_kv_cache_groups); several with its hybrid manager.
+        self.groups = groups
         if is_producer and tp_size * pcp_size > MAX_PREFILL_RANKS:  # no decode would accept its answers
             raise ValueError(f"MooncakeConnectorV1: a prefill of tensor_parallel_size {tp_size} x "
                              f"prefill_context_parallel_size {pcp_size} ranks; decodes accept at most "
@@ -96,7 +101,7 @@ class MooncakeScheduler:
         read = read_transfer_params(request.kv_transfer_params)
         assert read is not None  # the flag is set
         problem = read.problem or pull_problem(read.params, prompt_len=len(request.prompt_token_ids or ()),
-                                               block_size=self.block_size)
+                                               block_size=self.block_size, groups=self.groups)
         if problem:
             self._refuse_params(request, read.params, problem)
             return None
@@ -173,6 +178,8 @@ class MooncakeScheduler:
             self._step.frees.append(source)  # full local hit: nothing to pull, the prefill may free
             return
         num_tokens = local_computed + num_external_tokens
+        group_blocks = group_blocks_to_pull(self.groups, num_tokens=num_tokens, num_computed_tokens=local_computed) \
+            if plans_per_group(self.groups) else []
         self._step.pulls.append(
             PullRequest(
                 request_id=request.request_id,
@@ -181,6 +188,7 @@ class MooncakeScheduler:
                 num_blocks=-(-num_tokens // self.block_size),
                 skip_blocks=local_computed // self.block_size,
                 prompt_digest=params.prompt_digest or "",  # equal to this request's: checked above
+                group_blocks=[(blocks.first, blocks.end) for blocks in group_blocks],
             )
         )
 
@@ -205,15 +213,18 @@ class MooncakeScheduler:
             return False, None  # aborted prefill: vLLM frees its blocks now, nothing to hand over
         self._held[request.request_id] = self._clock()
         digest = request_digest(request)
-        self._step.holds.append(HoldRequest(request_id=request.request_id, num_blocks=len(groups[0]),
-                                            block_ids=list(groups[0]), ttl_s=self._hold_ttl(params.hold_timeout_s),
+        # Every group's blocks are held (vLLM keeps them all until finished_sending); not the null
+        # block standing in for a sliding window's dropped ones.
+        held = groups[0] if not plans_per_group(self.groups) else sorted({b for g in groups for b in g if b != NULL_BLOCK_ID})
+        self._step.holds.append(HoldRequest(request_id=request.request_id, num_blocks=len(held),
+                                            block_ids=list(held), ttl_s=self._hold_ttl(params.hold_timeout_s),
                                             prompt_digest=digest or ""))
         return True, TransferParams(
             do_remote_prefill=True,
             engine_id=self.engine_id,
             host=self.advertised_host,
             port=self.side_channel_port,
-            block_ids=groups[0],
+            block_ids=list(groups[0]) if not plans_per_group(self.groups) else list(groups),
             request_id=request.request_id,
             tp_size=self.tp_size,
             pcp_size=self.pcp_size,

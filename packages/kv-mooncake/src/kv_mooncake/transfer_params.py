@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import logging
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, NamedTuple
 
 import msgspec
+from kv_common.kv_cache_groups import KVGroup
 from kv_common.logging_utils import get_logger
 
 from kv_mooncake.metadata import RemoteSource
+from kv_mooncake.pull_plan import NULL_BLOCK_ID, group_blocks_to_pull, plans_per_group
 
 logger = get_logger(__name__)
 
@@ -42,6 +44,7 @@ MAX_ID_CHARS = 4096  # remote_engine_id, remote_request_id (a request id carries
 MAX_HOST_CHARS = 255
 MAX_BLOCK_ID = 2**31 - 1
 MAX_BLOCK_IDS = 1 << 20  # before the prompt is known; then at most what the prompt needs (pull_problem)
+MAX_KV_GROUPS = 64  # remote_block_ids as one list per KV-cache group (vLLM's hybrid manager)
 SPARE_BLOCKS = 1  # a prefill's list may cover one block past the prompt (the slot of its one output token)
 
 _Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_PARALLEL_SIZE)]
@@ -51,6 +54,8 @@ _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 _Host = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_CHARS, pattern=r"^[A-Za-z0-9._:%\[\]-]+$")]
 _BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 _BlockIds = Annotated[list[_BlockId], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+# remote_block_ids: one list (one KV-cache group, vllm-ascend's form) or one list per group.
+_BlockIdsOrGroups = Annotated[list[_BlockId | _BlockIds], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
 _Digest = Annotated[str, msgspec.Meta(max_length=128)]
 
 _ADDRESS_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id")
@@ -68,7 +73,7 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     engine_id: _Id | None = msgspec.field(default=None, name="remote_engine_id")
     host: _Host | None = msgspec.field(default=None, name="remote_host")
     port: _Port | None = msgspec.field(default=None, name="remote_port")  # side-channel base port (DP rank included)
-    block_ids: _BlockIds = msgspec.field(default_factory=list, name="remote_block_ids")
+    block_ids: _BlockIdsOrGroups = msgspec.field(default_factory=list, name="remote_block_ids")
     request_id: _Id | None = msgspec.field(default=None, name="remote_request_id")  # the prefill's own id
     tp_size: _Size = msgspec.field(default=1, name="remote_tp_size")
     pcp_size: _Size = msgspec.field(default=1, name="remote_pcp_size")
@@ -88,6 +93,20 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         if self.dcp_size > self.tp_size:
             raise ValueError(f"remote_dcp_size {self.dcp_size} above remote_tp_size {self.tp_size} "
                              "(DCP reuses the TP ranks)")
+        nested = sum(isinstance(ids, list) for ids in self.block_ids)
+        if nested and nested != len(self.block_ids):
+            raise ValueError("remote_block_ids mixes block ids and per-group lists")
+        if nested > MAX_KV_GROUPS:
+            raise ValueError(f"remote_block_ids has {nested} KV-cache groups, at most {MAX_KV_GROUPS}")
+        total = sum(len(ids) for ids in self.block_ids if isinstance(ids, list))
+        if total > MAX_BLOCK_IDS:
+            raise ValueError(f"remote_block_ids has {total} block ids in all, at most {MAX_BLOCK_IDS}")
+
+    def group_block_ids(self) -> list[list[int]]:
+        """The prefill's block ids per KV-cache group (one list when it sent one)."""
+        if self.block_ids and isinstance(self.block_ids[0], list):
+            return [list(ids) for ids in self.block_ids if isinstance(ids, list)]
+        return [[b for b in self.block_ids if isinstance(b, int)]]
 
     def to_dict(self) -> dict[str, Any]:
         """The dict vLLM returns to the client. ``do_remote_decode`` is always present (False on the
@@ -98,9 +117,10 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         """Where the decode pulls from; None when the params do not name a complete prefill."""
         if not (self.engine_id and self.host and self.port and self.request_id):
             return None
+        groups = self.group_block_ids()
         return RemoteSource(engine_id=self.engine_id, host=self.host, port=self.port, request_id=self.request_id,
-                            block_ids=list(self.block_ids), tp_size=self.tp_size, pcp_size=self.pcp_size,
-                            dcp_size=self.dcp_size)
+                            block_ids=groups[0], tp_size=self.tp_size, pcp_size=self.pcp_size,
+                            dcp_size=self.dcp_size, block_ids_by_group=groups if len(groups) > 1 else [])
 
     def prefill_addresses(self) -> list[str] | None:
         """Side-channel address of every rank of the prefill instance; None when the params name no
@@ -168,21 +188,39 @@ def parse_transfer_params(raw: Any) -> TransferParams | None:
     return read.params if read is not None else None
 
 
-def pull_problem(params: TransferParams, *, prompt_len: int, block_size: int) -> str | None:
+def pull_problem(params: TransferParams, *, prompt_len: int, block_size: int,
+                 groups: Sequence[KVGroup] = ()) -> str | None:
     """Why the decode must not pull for a prompt of ``prompt_len`` tokens from ``params`` (None: it may).
     A prefill's block list covers the prompt: position ``b // dcp`` holds logical block ``b``
-    (``pull_plan``), so a list longer than that (plus a spare) or empty names blocks no pull reads."""
+    (``pull_plan``), so a list longer than that (plus a spare) or empty names blocks no pull reads.
+    With this decode's KV-cache ``groups`` (several: vLLM's hybrid manager) the prefill sends one list
+    per group, and a sliding window's list must hold real blocks (not vLLM's null block) wherever
+    the window still needs them."""
     missing = [key for key, value in zip(_ADDRESS_KEYS, (params.engine_id, params.host, params.port,
                                                          params.request_id)) if not value]
     if missing:
         return f"{', '.join(missing)} missing: no prefill to pull from"
     blocks = -(-prompt_len // block_size)
     needed = -(-blocks // params.dcp_size)  # positions of the prefill's list a pull reads
-    if not params.block_ids and needed:
-        return "remote_block_ids missing or empty"
-    if len(params.block_ids) > needed + SPARE_BLOCKS:
-        return (f"remote_block_ids has {len(params.block_ids)} blocks, a prompt of {prompt_len} tokens in blocks "
-                f"of {block_size} (remote_dcp_size {params.dcp_size}) needs {needed}")
+    remote = params.group_block_ids()
+    if len(remote) != max(1, len(groups)):
+        return (f"remote_block_ids has {len(remote)} KV-cache groups, this decode has {max(1, len(groups))} "
+                "(is one instance running without vLLM's hybrid KV cache manager?)")
+    for g, ids in enumerate(remote):
+        name = "remote_block_ids" + (f" group {g}" if len(remote) > 1 else "")
+        if not ids and needed:
+            return f"{name} missing or empty"
+        if len(ids) > needed + SPARE_BLOCKS:
+            return (f"{name} has {len(ids)} blocks, a prompt of {prompt_len} tokens in blocks "
+                    f"of {block_size} (remote_dcp_size {params.dcp_size}) needs {needed}")
+    if plans_per_group(groups) and params.dcp_size > 1:
+        return f"remote_dcp_size {params.dcp_size} with hybrid KV-cache groups (supported: DCP 1)"
+    if plans_per_group(groups):
+        for g, pulled in enumerate(group_blocks_to_pull(groups, num_tokens=prompt_len, num_computed_tokens=0)):
+            ids = remote[g]
+            if len(ids) < pulled.end or NULL_BLOCK_ID in ids[pulled.first:pulled.end]:
+                return (f"remote_block_ids group {g} ({groups[g].kind}) lacks blocks {pulled.first}..{pulled.end - 1} "
+                        f"of a prompt of {prompt_len} tokens (missing, or vLLM's null block)")
     return None
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 from kv_common.failure_ledger import FailureLedger
+from kv_common.kv_cache_groups import KVGroup
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
 
@@ -27,6 +28,7 @@ from kv_mooncake import protocol as P
 from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.decode_puller import PULL_BATCH_BLOCKS, DecodePuller, PeerDown, PullFailed
+from kv_mooncake.fingerprint import group_layouts
 from kv_mooncake.local_cache import LocalCache, check_kv_cache_groups, describe_kv_caches
 from kv_mooncake.metadata import MooncakeStep
 from kv_mooncake.prefill_holder import PrefillHolder
@@ -55,6 +57,7 @@ class MooncakeWorker:
         total_kv_heads: int = 1,
         use_mla: bool = False,
         compatibility_base: dict[str, Any] | None = None,
+        kv_groups: tuple[KVGroup, ...] = (),
         engine_factory: Callable[..., Any] | None = None,
     ):
         self.config = config
@@ -66,6 +69,7 @@ class MooncakeWorker:
         self.prefill_layout = prefill_layout or PrefillLayout(tp_size=1, total_kv_heads=total_kv_heads, use_mla=use_mla)
         self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
         self._compat_base = dict(compatibility_base or {})
+        self.kv_groups = kv_groups
         self._engine_factory = engine_factory
         self.reader_id = f"{engine_id}:{decode_rank.tp_rank}"
 
@@ -95,6 +99,8 @@ class MooncakeWorker:
 
     def register_cache(self, cache: LocalCache, shape: dict[str, int], dtype: str) -> None:
         """Register raw regions (tests and benchmarks use this without torch)."""
+        if self.kv_groups:
+            cache.layer_groups = layer_groups(cache.layer_names, self.kv_groups)
         self.cache = cache
         base = self._compat_base
         self.compatibility = P.Compatibility(
@@ -115,6 +121,7 @@ class MooncakeWorker:
             pipeline_parallel_size=int(base.get("pipeline_parallel_size", 1)),
             cp_kv_cache_interleave_size=int(base.get("cp_kv_cache_interleave_size", 0)),
             protocol_version=P.PROTOCOL_VERSION,
+            kv_groups=group_layouts(self.kv_groups),
         )
         if self._engine_factory is not None:
             self.te = self._engine_factory()
@@ -196,6 +203,16 @@ class MooncakeWorker:
             self.server.close()
         if self.te is not None:
             self.te.close()
+
+
+def layer_groups(layer_names: list[str], groups: tuple[KVGroup, ...]) -> list[int]:
+    """The KV-cache group of each registered layer; a layer no group names is refused (its block ids
+    would be unknown)."""
+    index = {name: position for position, group in enumerate(groups) for name in group.layer_names}
+    missing = [name for name in layer_names if name not in index]
+    if missing:
+        raise ValueError(f"MooncakeConnectorV1: KV cache layers {missing} are in no KV-cache group")
+    return [index[name] for name in layer_names]
 
 
 def query_leaks(address: str, timeout_s: float = 2.0, auth: SideChannelAuth | None = None) -> dict[str, int]:
