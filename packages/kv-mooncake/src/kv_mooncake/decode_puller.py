@@ -28,6 +28,7 @@ from kv_common.stats import TransferStatsBase
 
 from kv_mooncake import protocol as P
 from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.early_lease import EarlyLease, ReadBeforeLease
 from kv_mooncake.kv_digest import head_digests
 from kv_mooncake.local_cache import LocalCache, head_ranges
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
@@ -320,19 +321,34 @@ class DecodePuller:
         started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id,
                                 expected_readers=job.counts[pull.source], block_ids=block_ids,
                                 prompt_digest=req.prompt_digest)
-        reply = self.messenger.take_lease(address, started, deadline)
-        hs = self.messenger.same_boot(address, source.engine_id, hs, reply.boot_id, deadline)
-        digests = self._expected_digests(reply, block_ids, hs, address) if self.config.verify_kv else None
-        renew_lease = self.messenger.lease_renewer(address, source.request_id, deadline)
+        # Read first, confirm after (early_lease): the lease's answer is awaited once a batch landed.
+        lease = self.messenger.start_lease(address, started, deadline)
+        try:
+            delay = self.config.debug_pull_chunk_delay_s
+            if delay:  # test-only: a window in which the lease is taken but no byte has moved
+                lease.answer()
+                time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            try:
+                return self._read_rank(job, pull, address, read, hs, lease, block_ids)
+            except ReadBeforeLease:  # read again, now under the lease (with the handshake of its boot)
+                self.stats.incr("reads_redone")
+                read.clear()
+                hs = self.messenger.same_boot(address, source.engine_id, hs, lease.answer().boot_id, deadline)
+                return self._read_rank(job, pull, address, read, hs, lease, block_ids)
+        finally:
+            lease.close()
+
+    def _read_rank(self, job: _PullJob, pull: RankPull, address: str, read: set[int], hs: P.HandshakeReply,
+                   lease: EarlyLease, block_ids: list[int]) -> int:
+        req, deadline = job.req, job.deadline
+        renew_lease = self.messenger.lease_renewer(address, req.source.request_id, deadline)
         delay = self.config.debug_pull_chunk_delay_s
+        digests: list[dict[int, list[int]] | None] = []
 
         def on_chunk() -> None:  # keep the lease alive during long pulls
             if delay:
                 time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             renew_lease()
-
-        if delay:  # test-only: a window in which the lease is taken but no byte has moved
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
         # Blocks in request order, a batch at a time: a read that fails midway leaves a prefix of
         # the request's blocks complete, and only the rest is reported (and recomputed).
@@ -342,11 +358,18 @@ class DecodePuller:
                    for start in range(0, len(pull.blocks), PULL_BATCH_BLOCKS)]
 
         def landed(i: int) -> None:
+            if not digests:  # the first batch: the lease's answer (granted? held since before the read?)
+                ack = lease.answer()
+                if not lease.covers_read() or ack.boot_id != hs.boot_id:
+                    raise ReadBeforeLease()
+                digests.append(self._expected_digests(ack, block_ids, hs, address) if self.config.verify_kv
+                               else None)
             on_chunk()  # first, as before: a refused lease renewal leaves this batch unread
-            if digests is not None:
-                self._verify(req, batches[i], hs, digests)
+            if digests[0] is not None:
+                self._verify(req, batches[i], hs, digests[0])
             read.update(dst for _, dst in batches[i].blocks)
 
+        lease.reading()
         return int(self.te.read_batches(hs.te_address, (self._addresses(req, b, hs) for b in batches), deadline,
                                         landed, on_retry=lambda _why: self.stats.incr("transfer_retries")))
 
