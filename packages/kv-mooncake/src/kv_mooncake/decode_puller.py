@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +52,7 @@ __all__ = ["PULL_BATCH_BLOCKS", "DecodePuller", "PeerDown", "PullFailed", "check
 logger = get_logger(__name__)
 
 PULL_BATCH_BLOCKS = 16  # blocks per TE read batch: the granularity of a partial pull's report
+ARRAY_MIN_BLOCK_LAYERS = 64  # blocks x layers from which numpy computes a pull's ranges (address_arrays)
 
 
 @dataclass(eq=False)
@@ -102,13 +104,22 @@ PairedRuns = Callable[[KVPart, KVPart, Any], list[tuple[int, int, int]]]
 
 
 def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, pull: Any,
-                    paired_runs: PairedRuns) -> tuple[list[int], list[int], list[int]]:
+                    paired_runs: PairedRuns, use_arrays: bool | None = None) -> tuple[list[int], list[int], list[int]]:
     """(local addresses, remote addresses, lengths) of ``pull``: every layer, every KV tensor of it,
     every logical block (each of its kernel blocks), every head span; ranges contiguous on both
     sides are merged. ``paired_runs(local part, remote part, span)``: the byte runs of a head span
-    inside one block, paired between the two layouts."""
+    inside one block, paired between the two layouts. The same with numpy (``use_arrays``; by
+    default for pulls of many blocks and layers): ``address_arrays``, held to this loop by tests."""
     check_peer(cache, req.source, hs)
     rparts_by_layer = remote_parts(hs)
+    if use_arrays is None:  # numpy comes with vLLM; kv-mooncake itself does not require it
+        use_arrays = len(pull.blocks) * len(cache.layer_names) >= ARRAY_MIN_BLOCK_LAYERS and _have_numpy()
+    if use_arrays:
+        from kv_mooncake.address_arrays import transfer_ranges_arrays
+
+        return transfer_ranges_arrays(cache.layer_names, cache.layer_parts, hs.layer_names, rparts_by_layer,
+                                      req.source.block_ids, req.local_block_ids[0], pull,
+                                      cache.kernel_blocks_per_block, paired_runs)
     remote_index = {name: i for i, name in enumerate(hs.layer_names)}
     local_ids = req.local_block_ids[0]
     remote_ids = req.source.block_ids
@@ -145,6 +156,11 @@ def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, p
                                 local.append(loc)
                                 lengths.append(n)
     return local, remote, lengths
+
+
+@functools.cache
+def _have_numpy() -> bool:
+    return importlib.util.find_spec("numpy") is not None
 
 
 class DecodePuller:
