@@ -27,6 +27,8 @@ from kv_mooncake import protocol as P
 from kv_mooncake import side_channel
 from kv_mooncake.pull_errors import PullFailed
 
+IDLE_SLICE_S = 200e-6  # while the read is in flight: how often to look for the lease's answer
+
 
 class ReadBeforeLease(Exception):
     """The read may have begun before these blocks were held for the request: read them again."""
@@ -53,6 +55,7 @@ class EarlyLease:
         self._timeout_s = timeout_s
         self._take_lease = take_lease
         self._ack: P.Ack | None = None
+        self._early: msgspec.Struct | None = None  # the first answer, taken while the read was in flight
         self.answered_at = 0.0
         self.read_started = 0.0
         self._pending: side_channel.PendingReply | None = None
@@ -65,22 +68,42 @@ class EarlyLease:
         """A read of the blocks begins now."""
         self.read_started = time.monotonic()
 
+    def idle(self, seconds: float) -> None:
+        """Pass ``seconds`` while the read is in flight, taking the answer as soon as it is there: when
+        it came bounds how young a hold may be for the read to count (``lease_covers_read``)."""
+        end = time.monotonic() + seconds
+        while True:
+            if self._pending is not None and self._pending.ready():
+                pending, self._pending = self._pending, None
+                try:
+                    self._early = pending.wait(0.0)
+                except side_channel.SideChannelError:
+                    self._early = None  # asked again, with retries, by answer()
+                self.answered_at = time.monotonic()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(left if self._pending is None else min(left, IDLE_SLICE_S))
+
     def answer(self) -> P.Ack:
         """The lease's Ack (raises PullFailed when refused)."""
         if self._ack is not None:
             return self._ack
-        reply: msgspec.Struct | None = None
-        if self._pending is not None:
+        reply: msgspec.Struct | None = self._early
+        answered_at = self.answered_at
+        if reply is None and self._pending is not None:
             pending, self._pending = self._pending, None
             try:
                 reply = pending.wait(max(0.05, min(self._timeout_s, self.deadline - time.monotonic())))
             except side_channel.SideChannelError:
                 reply = None
+            answered_at = time.monotonic()
         if isinstance(reply, P.Refused) and not reply.retry:
             raise PullFailed(f"{self.address} refused the pull: {reply.reason}")
         if not isinstance(reply, P.Ack):
             reply = self._take_lease(self.address, self.started, self.deadline)
-        self._ack, self.answered_at = reply, time.monotonic()
+            answered_at = time.monotonic()
+        self._ack, self.answered_at = reply, answered_at
         return reply
 
     def covers_read(self) -> bool:

@@ -512,6 +512,10 @@ class PendingReply:
         self._open = False
         return self._client._finish(self, timeout_s)
 
+    def ready(self) -> bool:
+        """Whether the reply is there to be taken (without waiting)."""
+        return self._open and bool(self.sock.poll(0, zmq.POLLIN))
+
     def close(self) -> None:
         if self._open:
             self._open = False

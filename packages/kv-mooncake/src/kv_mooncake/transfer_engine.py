@@ -359,6 +359,7 @@ class MooncakeTransferEngine:
         deadline: float | None = None,
         on_batch: Callable[[int], None] | None = None,
         on_retry: Callable[[str], None] | None = None,
+        idle: Callable[[float], None] = time.sleep,
     ) -> int:
         """Read ``batches`` of ``(local_addrs, remote_addrs, lengths)`` from ``peer`` with several
         asynchronous engine calls in flight (at most ``max_inflight`` transfers per peer, shared with
@@ -375,6 +376,8 @@ class MooncakeTransferEngine:
         the read fails at once), then the pipeline goes on. Raises TransferError with
         ``batches_done``, the number of batches read in full, in order, before the failure. Never
         returns or raises while a submitted engine call may still write into local memory.
+        ``idle(seconds)`` passes the time while a read is expected to be in flight (by default it
+        sleeps; the puller also watches for its lease's answer meanwhile).
         """
         budget = self._budget(peer)
         estimate = self._estimate(peer)
@@ -417,7 +420,7 @@ class MooncakeTransferEngine:
                                             f"deadline passed waiting for reads in flight to {peer}")
                     redo.appendleft(item)
                 item = inflight.popleft()
-                nbytes = self._complete(peer, budget, item, inflight, redo, deadline, on_retry, estimate)
+                nbytes = self._complete(peer, budget, item, inflight, redo, deadline, on_retry, estimate, idle)
                 total += nbytes
                 if item.last:
                     done += 1
@@ -450,10 +453,10 @@ class MooncakeTransferEngine:
 
     def _complete(self, peer: str, budget: _PeerBudget, item: _AsyncBatch, inflight: deque[_AsyncBatch],
                   redo: deque[_AsyncBatch], deadline: float | None, on_retry: Callable[[str], None] | None,
-                  estimate: ThroughputEstimate) -> int:
+                  estimate: ThroughputEstimate, idle: Callable[[float], None] = time.sleep) -> int:
         """Wait for ``item``; a failed one is read again synchronously (after every later call in
         flight was waited for and queued to be read again). Returns its bytes."""
-        if self._wait(budget, item, estimate, deadline):
+        if self._wait(budget, item, estimate, deadline, idle):
             return sum(item.lengths)
         took = time.monotonic() - item.started
         what = f"{len(item.lengths)} reads from {peer} (batch {item.index}), attempt 1 failed after {took:.1f}s"
@@ -473,7 +476,7 @@ class MooncakeTransferEngine:
         return sum(item.lengths)
 
     def _wait(self, budget: _PeerBudget, item: _AsyncBatch, estimate: ThroughputEstimate,
-              deadline: float | None = None) -> bool:
+              deadline: float | None = None, idle: Callable[[float], None] = time.sleep) -> bool:
         """Wait for ``item``'s engine call (bounded by Mooncake's per-transfer timeout); True if read.
         Sleeps through most of its expected time first: the status call spins."""
         bid, item.bid = item.bid, None
@@ -483,17 +486,19 @@ class MooncakeTransferEngine:
         try:
             if bid == 0:
                 return True
-            return self._status_after_sleep(estimate, bid, sum(item.lengths), item.started, item.expected, deadline)
+            return self._status_after_sleep(estimate, bid, sum(item.lengths), item.started, item.expected, deadline,
+                                            idle)
         finally:
             budget.release(len(item.lengths))
 
     def _status_after_sleep(self, estimate: ThroughputEstimate, bid: int, nbytes: int, submitted_at: float,
-                            expected: float, deadline: float | None) -> bool:
+                            expected: float, deadline: float | None,
+                            idle: Callable[[float], None] = time.sleep) -> bool:
         """The one status call of batch ``bid``, after sleeping through most of its expected time."""
         ok = slept = False
         asked = 0.0
         try:
-            slept = sleep_until_expected(expected, submitted_at, deadline) > 0
+            slept = sleep_until_expected(expected, submitted_at, deadline, idle) > 0
             asked = time.monotonic()
             ok = self._engine.get_batch_transfer_status([bid]) == 0
             return ok

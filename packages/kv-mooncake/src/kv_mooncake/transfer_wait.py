@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 FIRST_GUESS_BYTES_PER_S = 8e9  # above any loopback TCP rate measured here: the first sleeps are short
 MIN_BYTES_PER_S = 20e6  # a stalled sample (a frozen peer) must not make later sleeps seconds long
@@ -88,7 +89,8 @@ def _bounded(bytes_per_s: float) -> float:
     return min(MAX_BYTES_PER_S, max(MIN_BYTES_PER_S, bytes_per_s))
 
 
-def sleep_until_expected(expected_done: float, submitted_at: float, deadline: float | None) -> float:
+def sleep_until_expected(expected_done: float, submitted_at: float, deadline: float | None,
+                         sleep: Callable[[float], None] = time.sleep) -> float:
     """Sleep through ``SLEEP_SHARE`` of the time from ``submitted_at`` to ``expected_done``, never
     past ``deadline`` (time.monotonic); returns the seconds slept."""
     wake = submitted_at + min(MAX_SLEEP_S, SLEEP_SHARE * (expected_done - submitted_at))
@@ -97,5 +99,5 @@ def sleep_until_expected(expected_done: float, submitted_at: float, deadline: fl
     left = wake - time.monotonic()
     if left < MIN_SLEEP_S:
         return 0.0
-    time.sleep(left)
+    sleep(left)
     return left
