@@ -85,6 +85,31 @@ def _view(value, view):
     return torch.stack(list(value)) if view is None else view
 
 
+def _prefill(layout, logical, kernel, num_logical):
+    """A prefill worker over random KV of ``num_logical`` blocks; (worker, its values, their views, heads)."""
+    use_mla = layout == "mla"
+    heads = 1 if use_mla else HEADS
+    p_vals, p_views = _caches(layout, heads, num_logical * (logical // kernel), kernel, seed=1)
+    prefill = _worker("P", heads, heads, logical, use_mla)
+    prefill.register_kv_caches(p_vals)
+    return prefill, p_vals, p_views, heads
+
+
+def _decode(prefill, layout, logical, kernel, num_logical, heads, d_rank, decode_tp):
+    """Decode rank ``d_rank`` of ``decode_tp`` and the prefill's handshake reply to it, as it crosses
+    the wire; (worker, its values, their views, its heads, the reply)."""
+    use_mla = layout == "mla"
+    d_heads = 1 if use_mla else heads // decode_tp
+    d_vals, d_views = _caches(layout, d_heads, num_logical * (logical // kernel), kernel, seed=2 + d_rank)
+    decode = _worker("D", d_heads, heads, logical, use_mla, tp=decode_tp)
+    decode.puller.decode_rank, decode.puller.decode_layout = DecodeRank(d_rank), DecodeLayout(decode_tp)
+    decode.register_kv_caches(d_vals)
+    hs = prefill.handle(P.Handshake(engine_id="P", compatibility=decode.compatibility, reader_id="d"))
+    assert isinstance(hs, P.HandshakeReply), hs
+    # The reply crosses the wire as msgpack: use what the decode would decode.
+    return decode, d_vals, d_views, d_heads, msgspec.msgpack.decode(msgspec.msgpack.encode(hs), type=P.HandshakeReply)
+
+
 CASES = [  # layout, logical block, kernel block
     ("cpu", 16, 16),
     ("cuda", 16, 16),
@@ -101,24 +126,14 @@ CASES = [  # layout, logical block, kernel block
 @pytest.mark.parametrize("decode_tp", [1, 2, 4])
 def test_pulled_bytes_equal_the_prefill_kv(layout, logical, kernel, decode_tp):
     use_mla = layout == "mla"
-    heads = 1 if use_mla else HEADS
     ratio = logical // kernel
     num_logical = 6
-    p_vals, p_views = _caches(layout, heads, num_logical * ratio, kernel, seed=1)
-    prefill = _worker("P", heads, heads, logical, use_mla)
-    prefill.register_kv_caches(p_vals)
+    prefill, p_vals, p_views, heads = _prefill(layout, logical, kernel, num_logical)
     remote_ids = [4, 1, 5]  # the prefill's block table for the request (3 logical blocks)
     local_ids = [2, 0, 3]
     for d_rank in range(decode_tp):
-        d_heads = 1 if use_mla else heads // decode_tp
-        d_vals, d_views = _caches(layout, d_heads, num_logical * ratio, kernel, seed=2 + d_rank)
-        decode = _worker("D", d_heads, heads, logical, use_mla, tp=decode_tp)
-        decode.puller.decode_rank, decode.puller.decode_layout = DecodeRank(d_rank), DecodeLayout(decode_tp)
-        decode.register_kv_caches(d_vals)
-        hs = prefill.handle(P.Handshake(engine_id="P", compatibility=decode.compatibility, reader_id="d"))
-        assert isinstance(hs, P.HandshakeReply), hs
-        # The reply crosses the wire as msgpack: use what the decode would decode.
-        hs = msgspec.msgpack.decode(msgspec.msgpack.encode(hs), type=P.HandshakeReply)
+        decode, d_vals, d_views, d_heads, hs = _decode(prefill, layout, logical, kernel, num_logical, heads,
+                                                       d_rank, decode_tp)
         source = RemoteSource(engine_id="P", host="127.0.0.1", port=1, request_id="r", block_ids=remote_ids)
         req = PullRequest(request_id="r", source=source, local_block_ids=[local_ids], num_blocks=3, skip_blocks=0)
         layout_p = PrefillLayout(tp_size=1, total_kv_heads=heads, use_mla=use_mla)
@@ -173,3 +188,43 @@ def test_prefill_parallel_sizes_must_match_kv_transfer_params():
     pull = plan_pulls(PrefillLayout(1, HEADS), DecodeLayout(1), DecodeRank(0), 1)[0]
     with pytest.raises(PullFailed, match=r"TP/PCP/DCP \(1, 1, 1\), it runs \(2, 1, 1\)"):
         decode.puller._addresses(req, pull, hs)
+
+
+@pytest.mark.parametrize("layout,logical,kernel", CASES)
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_numpy_ranges_equal_the_per_block_loop(layout, logical, kernel, decode_tp):
+    """Issue 25: large pulls get their byte ranges from numpy (``address_arrays``); the per-block
+    Python loop of ``transfer_ranges`` is the oracle: the same ranges, in the same order, merged
+    alike (scattered blocks and runs of consecutive ones on both sides), or the same refusal."""
+    import random
+
+    from kv_mooncake.decode_puller import transfer_ranges
+
+    use_mla = layout == "mla"
+    ratio = logical // kernel
+    num_logical = 48
+    prefill, _, _, heads = _prefill(layout, logical, kernel, num_logical)
+    rng = random.Random(f"{layout}{logical}{kernel}{decode_tp}")
+    remote_ids = list(range(10, 22)) + rng.sample(range(num_logical), 20)  # a run, then scattered
+    local_ids = list(range(30, 42)) + rng.sample(range(num_logical), 20)
+    for d_rank in range(decode_tp):
+        decode, _, _, _, hs = _decode(prefill, layout, logical, kernel, num_logical, heads, d_rank, decode_tp)
+        source = RemoteSource(engine_id="P", host="127.0.0.1", port=1, request_id="r", block_ids=remote_ids)
+        n = len(local_ids)
+        req = PullRequest(request_id="r", source=source, local_block_ids=[local_ids], num_blocks=n, skip_blocks=0)
+        layout_p = PrefillLayout(tp_size=1, total_kv_heads=heads, use_mla=use_mla)
+        cache, runs = decode.puller.cache, decode.puller._paired_runs
+        for pull in plan_pulls(layout_p, DecodeLayout(decode_tp), DecodeRank(d_rank), n, 0, request_seed("r")):
+            loop = transfer_ranges(cache, hs, req, pull, runs, use_arrays=False)
+            arrays = transfer_ranges(cache, hs, req, pull, runs, use_arrays=True)
+            assert arrays == loop
+            assert all(type(x) is int for part in arrays for x in part[:3])
+            if layout == "cpu" and decode_tp == 1:  # consecutive blocks are contiguous on both sides there
+                assert len(loop[0]) < len(pull.blocks) * LAYERS * ratio, "nothing merged: the test tests less"
+        bad = PullRequest(request_id="r", source=RemoteSource(engine_id="P", host="127.0.0.1", port=1, request_id="r",
+                                                              block_ids=[*remote_ids[:-1], num_logical]),
+                          local_block_ids=[local_ids], num_blocks=n, skip_blocks=0)
+        pull = plan_pulls(layout_p, DecodeLayout(decode_tp), DecodeRank(d_rank), n, 0, request_seed("r"))[0]
+        for use_arrays in (False, True):
+            with pytest.raises(PullFailed):
+                transfer_ranges(cache, hs, bad, pull, runs, use_arrays=use_arrays)

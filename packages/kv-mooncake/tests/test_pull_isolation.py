@@ -257,3 +257,48 @@ def test_a_prefill_restarted_with_another_layout_is_handshaken_again():
         if second is not None:
             second.worker.close()
         engine.engine.close()
+
+
+def test_a_read_begun_before_the_hold_is_read_again_under_the_lease():
+    """Read first, confirm after (issue 25): the PullStarted goes out with the read, not before it.
+    Here the decode reads before the prefill holds the request (the hold reaches the prefill's
+    worker a step after the decode may hear of it) and the bytes it reads then are not the request's
+    KV yet. The Ack says the blocks have been held for less time than the read has run: that read
+    does not count, the blocks are read again under the lease, and the decode ends with the
+    request's bytes."""
+    prefill = Instance(MooncakeConfig(), producer=True, seed=15)
+    decode = Instance(MooncakeConfig(pull_timeout_s=10.0), producer=False, seed=16)
+    try:
+        final = [prefill.block(layer, 5) for layer in range(2)]
+        for layer in prefill.layers:
+            layer[5 * BLOCK_BYTES:6 * BLOCK_BYTES] = 0  # not the request's KV yet
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, [5], [7])]))
+        early = time.monotonic() + 10
+        while decode.block(0, 7) != bytes(BLOCK_BYTES) or decode.block(1, 7) != bytes(BLOCK_BYTES):
+            assert time.monotonic() < early, "the decode did not read before the hold (nothing tested)"
+            time.sleep(0.005)
+        for layer, data in zip(prefill.layers, final):
+            layer[5 * BLOCK_BYTES:6 * BLOCK_BYTES] = np.frombuffer(data, dtype=np.uint8)  # the request's KV
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[5])]))
+        errors, _ = _wait_pulled(decode, "r")
+        assert errors == set()
+        for layer in range(2):
+            assert decode.block(layer, 7) == final[layer], "the read from before the hold was counted"
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_a_refused_lease_voids_what_was_read_alongside_it():
+    """The bytes read before the PullStarted's answer land in the decode's own blocks only; a
+    refusal (block ids the prefill does not hold for the request) makes them load errors."""
+    prefill = Instance(MooncakeConfig(), producer=True, seed=17)
+    decode = Instance(MooncakeConfig(pull_timeout_s=10.0), producer=False, seed=18)
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[5])]))
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, [6], [7])]))
+        errors, _ = _wait_pulled(decode, "r")
+        assert errors == {7}
+    finally:
+        decode.worker.close()
+        prefill.worker.close()

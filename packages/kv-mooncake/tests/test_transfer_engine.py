@@ -273,10 +273,10 @@ def test_concurrent_reads_to_one_peer_are_batched_and_a_bad_one_fails_alone():
         def __getattr__(self, name):
             return getattr(self._engine, name)
 
-        def batch_transfer_sync_read(self, peer, local, remote, lengths):
+        def batch_transfer_async_read(self, peer, local, remote, lengths):  # what read_blocks submits
             calls.append(len(lengths))
             time.sleep(0.05)  # a slow engine call: reads that arrive meanwhile join the next batch
-            return self._engine.batch_transfer_sync_read(peer, local, remote, lengths)
+            return self._engine.batch_transfer_async_read(peer, local, remote, lengths)
 
     dst_te._engine = CountingEngine(dst_te._engine)
     start = threading.Barrier(n_threads)

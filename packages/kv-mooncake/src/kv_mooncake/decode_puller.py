@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from kv_common.stats import TransferStatsBase
 
 from kv_mooncake import protocol as P
 from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.early_lease import EarlyLease, ReadBeforeLease
 from kv_mooncake.kv_digest import head_digests
 from kv_mooncake.local_cache import LocalCache, head_ranges
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
@@ -53,6 +55,7 @@ __all__ = ["PULL_BATCH_BLOCKS", "DecodePuller", "PeerDown", "PullFailed", "check
 logger = get_logger(__name__)
 
 PULL_BATCH_BLOCKS = 16  # blocks per TE read batch: the granularity of a partial pull's report
+ARRAY_MIN_BLOCK_LAYERS = 64  # blocks x layers from which numpy computes a pull's ranges (address_arrays)
 
 
 @dataclass(eq=False)
@@ -122,21 +125,31 @@ PairedRuns = Callable[[KVPart, KVPart, Any], list[tuple[int, int, int]]]
 
 
 def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, pull: Any,
-                    paired_runs: PairedRuns) -> tuple[list[int], list[int], list[int]]:
+                    paired_runs: PairedRuns, use_arrays: bool | None = None) -> tuple[list[int], list[int], list[int]]:
     """(local addresses, remote addresses, lengths) of ``pull``: every layer, every KV tensor of it,
     every logical block (each of its kernel blocks), every head span; ranges contiguous on both
     sides are merged. ``paired_runs(local part, remote part, span)``: the byte runs of a head span
     inside one block, paired between the two layouts. Only the layers of the pull's KV-cache group
-    move, each addressed through that group's block lists."""
+    move, each addressed through that group's block lists. The same with numpy (``use_arrays``; by
+    default for pulls of many blocks and layers): ``address_arrays``, held to this loop by tests."""
     check_peer(cache, req.source, hs)
     rparts_by_layer = remote_parts(hs)
-    remote_index = {name: i for i, name in enumerate(hs.layer_names)}
     remote_groups = req.source.group_block_ids()
     if not (pull.group < len(req.local_block_ids) and pull.group < len(remote_groups)):
         raise PullFailed(f"KV-cache group {pull.group}: the decode has {len(req.local_block_ids)} block lists, "
                          f"the prefill sent {len(remote_groups)}")
     local_ids = req.local_block_ids[pull.group]
     remote_ids = remote_groups[pull.group]
+    if use_arrays is None:  # numpy comes with vLLM; kv-mooncake itself does not require it
+        use_arrays = len(pull.blocks) * len(cache.layer_names) >= ARRAY_MIN_BLOCK_LAYERS and _have_numpy()
+    if use_arrays:
+        from kv_mooncake.address_arrays import transfer_ranges_arrays
+
+        in_group = [li for li in range(len(cache.layer_names)) if cache.group_of(li) == pull.group]
+        return transfer_ranges_arrays([cache.layer_names[li] for li in in_group],
+                                      lambda i: cache.layer_parts(in_group[i]), hs.layer_names, rparts_by_layer,
+                                      remote_ids, local_ids, pull, cache.kernel_blocks_per_block, paired_runs)
+    remote_index = {name: i for i, name in enumerate(hs.layer_names)}
     ratio = cache.kernel_blocks_per_block
     local: list[int] = []
     remote: list[int] = []
@@ -172,6 +185,11 @@ def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, p
                                 local.append(loc)
                                 lengths.append(n)
     return local, remote, lengths
+
+
+@functools.cache
+def _have_numpy() -> bool:
+    return importlib.util.find_spec("numpy") is not None
 
 
 class DecodePuller:
@@ -359,19 +377,34 @@ class DecodePuller:
         started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id,
                                 expected_readers=job.counts[pulls[0].source], block_ids=block_ids,
                                 prompt_digest=req.prompt_digest)
-        reply = self.messenger.take_lease(address, started, deadline)
-        hs = self.messenger.same_boot(address, source.engine_id, hs, reply.boot_id, deadline)
-        digests = self._expected_digests(reply, block_ids, hs, address) if self.config.verify_kv else None
-        renew_lease = self.messenger.lease_renewer(address, source.request_id, deadline)
+        # Read first, confirm after (early_lease): the lease's answer is awaited once a batch landed.
+        lease = self.messenger.start_lease(address, started, deadline)
+        try:
+            delay = self.config.debug_pull_chunk_delay_s
+            if delay:  # test-only: a window in which the lease is taken but no byte has moved
+                lease.answer()
+                time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            try:
+                return self._read_rank(job, pulls, address, read, hs, lease, block_ids)
+            except ReadBeforeLease:  # read again, now under the lease (with the handshake of its boot)
+                self.stats.incr("reads_redone")
+                read.clear()
+                hs = self.messenger.same_boot(address, source.engine_id, hs, lease.answer().boot_id, deadline)
+                return self._read_rank(job, pulls, address, read, hs, lease, block_ids)
+        finally:
+            lease.close()
+
+    def _read_rank(self, job: _PullJob, pulls: list[RankPull], address: str, read: set[tuple[int, int]],
+                   hs: P.HandshakeReply, lease: EarlyLease, block_ids: list[int]) -> int:
+        req, deadline = job.req, job.deadline
+        renew_lease = self.messenger.lease_renewer(address, req.source.request_id, deadline)
         delay = self.config.debug_pull_chunk_delay_s
+        digests: list[dict[int, list[int]] | None] = []
 
         def on_chunk() -> None:  # keep the lease alive during long pulls
             if delay:
                 time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             renew_lease()
-
-        if delay:  # test-only: a window in which the lease is taken but no byte has moved
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
         # Blocks in request order, a batch at a time: a read that fails midway leaves a prefix of
         # the request's blocks complete, and only the rest is reported (and recomputed).
@@ -381,13 +414,21 @@ class DecodePuller:
                    for pull in pulls for start in range(0, len(pull.blocks), PULL_BATCH_BLOCKS)]
 
         def landed(i: int) -> None:
+            if not digests:  # the first batch: the lease's answer (granted? held since before the read?)
+                ack = lease.answer()
+                if not lease.covers_read() or ack.boot_id != hs.boot_id:
+                    raise ReadBeforeLease()
+                digests.append(self._expected_digests(ack, block_ids, hs, address) if self.config.verify_kv
+                               else None)
             on_chunk()  # first, as before: a refused lease renewal leaves this batch unread
-            if digests is not None:
-                self._verify(req, batches[i], hs, digests)
+            if digests[0] is not None:
+                self._verify(req, batches[i], hs, digests[0])
             read.update((batches[i].group, dst) for _, dst in batches[i].blocks)
 
+        lease.reading()
         return int(self.te.read_batches(hs.te_address, (self._addresses(req, b, hs) for b in batches), deadline,
-                                        landed, on_retry=lambda _why: self.stats.incr("transfer_retries")))
+                                        landed, on_retry=lambda _why: self.stats.incr("transfer_retries"),
+                                        idle=lease.idle))
 
     def _paired_runs(self, lp: KVPart, rp: KVPart, span: Any) -> list[tuple[int, int, int]]:
         key = (lp.shape, lp.strides, lp.roles, lp.element_size, rp.shape, rp.strides, rp.roles, rp.element_size,

@@ -52,6 +52,7 @@ class HeldRequest:
     ttl_s: float
     created: float = 0.0
     blocks: HeldBlocks = field(default_factory=HeldBlocks)
+    blocks_since: float = 0.0  # since when these very blocks are held (a re-hold may change them)
     readers_known: bool = False  # a reader announced how many readers to wait for
     readers_done: set[str] = field(default_factory=set)
     # Reader in flight (between its PullStarted and its DONE) -> its lease's deadline.
@@ -86,7 +87,7 @@ class DelayedFreeTracker:
             current = self._holds.get(request_id)
             if current is None:
                 self._holds[request_id] = HeldRequest(expected_done, now + ttl_s, ttl_s, created=now,
-                                                      blocks=blocks or HeldBlocks())
+                                                      blocks=blocks or HeldBlocks(), blocks_since=now)
                 return
             # Held twice (e.g. a retried finish): keep the readers seen, widen the limits.
             current.expected_done = max(current.expected_done, expected_done)
@@ -94,6 +95,7 @@ class DelayedFreeTracker:
             if blocks is not None:
                 if blocks.block_ids != current.blocks.block_ids:
                     current.leases.clear()  # other blocks now: no read in flight may vouch for them
+                    current.blocks_since = now
                 current.blocks = blocks
             logger.debug("request %s held again", request_id)
 
@@ -112,6 +114,14 @@ class DelayedFreeTracker:
         with self._lock:
             hold = self._holds.get(request_id)
             return None if hold is None else hold.blocks
+
+    def held_for(self, request_id: str) -> float | None:
+        """Seconds these very blocks have been held for ``request_id`` (None: not held): a read that
+        began earlier than that may have read other bytes."""
+        now = self._clock()
+        with self._lock:
+            hold = self._holds.get(request_id)
+            return None if hold is None else max(0.0, now - hold.blocks_since)
 
     def keep_alive(self, request_id: str, extend_s: float, limit_s: float) -> bool:
         """A reader will come (it waits on its side): move the deadline to ``now + extend_s``, but never

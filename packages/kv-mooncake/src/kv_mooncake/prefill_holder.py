@@ -144,10 +144,14 @@ class PrefillHolder:
             self.tracker.expect_readers(message.request_id, message.expected_readers)
             if self.tracker.begin_read(message.request_id, message.reader_id, self.config.lease_s):
                 blocks = self.tracker.blocks(message.request_id)
+                # Read after the lease began (its DONE vouches for the rest): a reader that read first
+                # counts its read only if these blocks were held since before it began.
+                held_for = self.tracker.held_for(message.request_id)
+                held_for_s = -1.0 if held_for is None else held_for
                 if blocks is not None and blocks.digests is not None:  # verify_kv: the reader checks against these
                     return P.Ack(digests=[d for b in message.block_ids for d in blocks.digests.get(b, ())],
-                                 boot_id=self.boot_id)
-                return P.Ack(boot_id=self.boot_id)
+                                 boot_id=self.boot_id, held_for_s=held_for_s)
+                return P.Ack(boot_id=self.boot_id, held_for_s=held_for_s)
             return self._not_held(message.request_id)
         if isinstance(message, P.LeaseRenew):
             if self.tracker.renew(message.request_id, self.config.lease_s, message.reader_id):

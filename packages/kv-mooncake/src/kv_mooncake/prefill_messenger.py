@@ -23,6 +23,7 @@ from kv_common.logging_utils import get_logger
 from kv_mooncake import protocol as P
 from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.early_lease import EarlyLease
 from kv_mooncake.metadata import RemoteSource
 from kv_mooncake.peer_health import PeerBreaker, ReachabilityProbe
 from kv_mooncake.pull_errors import PeerDown, PeerUnreachable, PullFailed
@@ -136,6 +137,10 @@ class PrefillMessenger:
         if not isinstance(reply, P.Ack):
             raise PullFailed(f"{address} refused the pull: {getattr(reply, 'reason', reply)}")
         return reply
+
+    def start_lease(self, address: str, started: P.PullStarted, deadline: float) -> EarlyLease:
+        """``PullStarted`` sent now, its answer awaited later (``early_lease``): the read goes meanwhile."""
+        return EarlyLease(self._client, address, started, deadline, self.config.handshake_timeout_s, self.take_lease)
 
     def confirm_read(self, address: str, done: P.PullDone, deadline: float) -> bool:
         """Send the DONE of a read and wait for its reply: True only when the prefill says the lease

@@ -5,7 +5,9 @@ msgpack-encoded msgspec Structs (tagged unions, size-limited by kv_mooncake.side
 Flow for one request and one (decode rank, prefill rank) pair::
 
     Handshake  -> HandshakeReply | Refused      (cached per peer rank until its boot id changes)
-    PullStarted-> Ack | Refused                  (takes a lease: blocks cannot be freed under the read)
+    PullStarted-> Ack | Refused                  (takes a lease: blocks cannot be freed under the read;
+                                                  sent with the read, its answer awaited once the
+                                                  first batch landed: ``early_lease``)
     LeaseRenew -> Ack | Refused                  (long pulls)
     PullDone   -> PullDoneReply                  (always sent, also after a failed read; says whether
                                                   the lease held throughout: else the read is void)
@@ -157,6 +159,10 @@ class Ack(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     # verify_kv, reply to PullStarted: xxh3-64 per (requested block id in order, head of this rank)
     digests: list[int] = []
     boot_id: str = ""  # reply to PullStarted: the prefill worker's boot (HandshakeReply.boot_id)
+    # Reply to PullStarted: how long this rank has held these very blocks for the request (-1:
+    # unknown, a peer of an earlier release). A reader that read before its lease was granted counts
+    # that read only if the blocks were held since before it began (``early_lease``).
+    held_for_s: float = -1.0
 
 
 class PullDoneReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):

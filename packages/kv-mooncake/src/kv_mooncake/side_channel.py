@@ -14,11 +14,11 @@ or, without a secret, to loopback peers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Union
 
 import msgspec
@@ -328,15 +328,17 @@ def _connect(endpoint: str, max_message_bytes: int) -> zmq.Socket:
     return sock
 
 
-def _exchange(sock: zmq.Socket, payload: bytes, address: str, timeout_s: float) -> bytes:
-    """One send + receive on a REQ socket within ``timeout_s``; raises on silence or socket errors.
-    After a raise the socket is mid-exchange and must be closed, never reused."""
-    deadline = time.monotonic() + timeout_s
-    sock.send(payload, zmq.NOBLOCK)  # REQ queues until connected; the deadline covers it
-    remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-    if not sock.poll(remaining_ms, zmq.POLLIN):
-        raise SideChannelTimeout(f"no reply from {address} within {timeout_s:.3g}s")
-    return sock.recv(zmq.NOBLOCK)
+@contextlib.contextmanager
+def _closed_on_error(sock: zmq.Socket, address: str) -> Iterator[None]:
+    """A REQ socket whose exchange failed is mid-exchange: closed, never reused."""
+    try:
+        yield
+    except zmq.ZMQError as exc:
+        _close_socket(sock)
+        raise SideChannelError(f"side channel to {address} failed: {exc}") from exc
+    except BaseException:
+        _close_socket(sock)
+        raise
 
 
 def _decode_reply(decoder: msgspec.msgpack.Decoder, raw: bytes, address: str) -> msgspec.Struct:
@@ -397,6 +399,11 @@ class SideChannelClient:
         self._closed = False
 
     def request(self, address: str, message: msgspec.Struct, timeout_s: float) -> msgspec.Struct:
+        return self.start(address, message).wait(timeout_s)
+
+    def start(self, address: str, message: msgspec.Struct) -> PendingReply:
+        """Send ``message`` now and wait for its reply later (:meth:`PendingReply.wait`), so the caller
+        can work meanwhile; :meth:`PendingReply.close` drops a reply nobody will wait for."""
         payload = _encode_request(message, self._max_bytes)
         nonce = b""
         if self._auth is not None:
@@ -408,17 +415,21 @@ class SideChannelClient:
             sock = self._checkout(endpoint)
         except zmq.ZMQError as exc:
             raise SideChannelError(f"side channel to {address} failed: {exc}") from exc
-        try:
-            raw = _exchange(sock, payload, address, timeout_s)
-        except zmq.ZMQError as exc:
-            _close_socket(sock)
-            raise SideChannelError(f"side channel to {address} failed: {exc}") from exc
-        except BaseException:
-            _close_socket(sock)
-            raise
-        self._checkin(endpoint, sock)
+        with _closed_on_error(sock, address):
+            sock.send(payload, zmq.NOBLOCK)  # REQ queues until connected; wait()'s timeout covers it
+        return PendingReply(self, address, endpoint, sock, nonce)
+
+    def _finish(self, pending: PendingReply, timeout_s: float) -> msgspec.Struct:
+        """The reply to ``pending``'s request within ``timeout_s``; its socket is kept only after a
+        whole exchange (a REQ socket mid-exchange is closed, never reused)."""
+        sock, address = pending.sock, pending.address
+        with _closed_on_error(sock, address):
+            if not sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+                raise SideChannelTimeout(f"no reply from {address} within {timeout_s:.3g}s")
+            raw = sock.recv(zmq.NOBLOCK)
+        self._checkin(pending.endpoint, sock)
         if self._auth is not None:
-            raw = self._open_reply(raw, nonce, address)
+            raw = self._open_reply(raw, pending.nonce, address)
         return _decode_reply(self._decoder, raw, address)
 
     def _open_reply(self, raw: bytes, nonce: bytes, address: str) -> bytes:
@@ -484,3 +495,28 @@ class SideChannelClient:
             for socks in idle.values():
                 for s in socks:
                     _close_socket(s)
+
+
+class PendingReply:
+    """A request sent by :meth:`SideChannelClient.start` whose reply is not read yet. Wait for it
+    once, or close it (its socket is then closed: a late reply is never read as another's)."""
+
+    def __init__(self, client: SideChannelClient, address: str, endpoint: str, sock: zmq.Socket, nonce: bytes):
+        self._client = client
+        self.address, self.endpoint, self.sock, self.nonce = address, endpoint, sock, nonce
+        self._open = True
+
+    def wait(self, timeout_s: float) -> msgspec.Struct:
+        if not self._open:
+            raise SideChannelError(f"the reply from {self.address} was already taken or dropped")
+        self._open = False
+        return self._client._finish(self, timeout_s)
+
+    def ready(self) -> bool:
+        """Whether the reply is there to be taken (without waiting)."""
+        return self._open and bool(self.sock.poll(0, zmq.POLLIN))
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            _close_socket(self.sock)

@@ -12,6 +12,8 @@ from typing import Any
 
 from kv_common.logging_utils import get_logger
 
+from kv_mooncake.transfer_wait import OVERSLEPT_S, ThroughputEstimate, sleep_until_expected
+
 logger = get_logger(__name__)
 
 _INSTALL_HINT = (
@@ -211,6 +213,7 @@ class _AsyncBatch:
     last: bool = True  # the batch's last part: on_batch runs after it
     bid: int | None = 0  # engine batch id while in flight; None: refused at submission
     started: float = 0.0
+    expected: float = 0.0  # when it is expected to be done (0: nothing submitted to wait for)
 
 
 class TransferError(RuntimeError):
@@ -246,6 +249,7 @@ class MooncakeTransferEngine:
         # Per peer: concurrent reads batched together, at most ``max_inflight`` transfers queued.
         self._peer_reads: dict[str, _PeerReads] = {}
         self._budgets: dict[str, _PeerBudget] = {}
+        self._estimates: dict[str, ThroughputEstimate] = {}  # per peer: how long its reads take
         self._locks_guard = threading.Lock()
         self._closed = False
 
@@ -272,6 +276,13 @@ class MooncakeTransferEngine:
             if budget is None:
                 budget = self._budgets[peer] = _PeerBudget(self.max_inflight)
             return budget
+
+    def _estimate(self, peer: str) -> ThroughputEstimate:
+        with self._locks_guard:
+            estimate = self._estimates.get(peer)
+            if estimate is None:
+                estimate = self._estimates[peer] = ThroughputEstimate()
+            return estimate
 
     def _reads(self, peer: str) -> _PeerReads:
         budget = self._budget(peer)
@@ -349,6 +360,7 @@ class MooncakeTransferEngine:
         deadline: float | None = None,
         on_batch: Callable[[int], None] | None = None,
         on_retry: Callable[[str], None] | None = None,
+        idle: Callable[[float], None] = time.sleep,
     ) -> int:
         """Read ``batches`` of ``(local_addrs, remote_addrs, lengths)`` from ``peer`` with several
         asynchronous engine calls in flight (at most ``max_inflight`` transfers per peer, shared with
@@ -365,8 +377,11 @@ class MooncakeTransferEngine:
         the read fails at once), then the pipeline goes on. Raises TransferError with
         ``batches_done``, the number of batches read in full, in order, before the failure. Never
         returns or raises while a submitted engine call may still write into local memory.
+        ``idle(seconds)`` passes the time while a read is expected to be in flight (by default it
+        sleeps; the puller also watches for its lease's answer meanwhile).
         """
         budget = self._budget(peer)
+        estimate = self._estimate(peer)
         inflight: deque[_AsyncBatch] = deque()
         redo: deque[_AsyncBatch] = deque()  # waited for after a failure, read again in order
         parts = self._parts(batches)
@@ -395,7 +410,7 @@ class MooncakeTransferEngine:
                     if budget.try_acquire(len(item.lengths)) or (
                             not inflight and budget.acquire(len(item.lengths), deadline)):
                         try:
-                            self._submit(peer, item)
+                            self._submit(peer, item, estimate)
                         except BaseException:
                             budget.release(len(item.lengths))
                             raise
@@ -406,7 +421,7 @@ class MooncakeTransferEngine:
                                             f"deadline passed waiting for reads in flight to {peer}")
                     redo.appendleft(item)
                 item = inflight.popleft()
-                nbytes = self._complete(peer, budget, item, inflight, redo, deadline, on_retry)
+                nbytes = self._complete(peer, budget, item, inflight, redo, deadline, on_retry, estimate, idle)
                 total += nbytes
                 if item.last:
                     done += 1
@@ -417,7 +432,7 @@ class MooncakeTransferEngine:
             raise
         finally:
             while inflight:  # never leave while bytes may still land
-                self._wait(budget, inflight.popleft())
+                self._wait(budget, inflight.popleft(), estimate)
 
     def _parts(self, batches: Iterable[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> Iterator[_AsyncBatch]:
         """Each batch as engine calls of at most ``max_inflight`` transfers (the last one marked)."""
@@ -431,22 +446,25 @@ class MooncakeTransferEngine:
             if n == 0:
                 yield _AsyncBatch(i, [], [], [], last=True)
 
-    def _submit(self, peer: str, item: _AsyncBatch) -> None:
+    def _submit(self, peer: str, item: _AsyncBatch, estimate: ThroughputEstimate) -> None:
         item.started = time.monotonic()
         item.bid = self._submit_async(peer, item.local, item.remote, item.lengths) if item.lengths else 0
+        if item.bid:
+            item.expected = estimate.begin(sum(item.lengths), item.started)
 
     def _complete(self, peer: str, budget: _PeerBudget, item: _AsyncBatch, inflight: deque[_AsyncBatch],
-                  redo: deque[_AsyncBatch], deadline: float | None, on_retry: Callable[[str], None] | None) -> int:
+                  redo: deque[_AsyncBatch], deadline: float | None, on_retry: Callable[[str], None] | None,
+                  estimate: ThroughputEstimate, idle: Callable[[float], None] = time.sleep) -> int:
         """Wait for ``item``; a failed one is read again synchronously (after every later call in
         flight was waited for and queued to be read again). Returns its bytes."""
-        if self._wait(budget, item):
+        if self._wait(budget, item, estimate, deadline, idle):
             return sum(item.lengths)
         took = time.monotonic() - item.started
         what = f"{len(item.lengths)} reads from {peer} (batch {item.index}), attempt 1 failed after {took:.1f}s"
         drained = []
         while inflight:
             drained.append(inflight.popleft())
-            self._wait(budget, drained[-1])
+            self._wait(budget, drained[-1], estimate)
         redo.extendleft(reversed(drained))  # before a batch put back unsubmitted: they came first
         if deadline is None or time.monotonic() >= deadline:
             raise TransferError("batch_transfer_async_read", -1, what)
@@ -458,16 +476,36 @@ class MooncakeTransferEngine:
                          fast_failures=1 if took < self._fast_failure_s else 0, attempts=1)
         return sum(item.lengths)
 
-    def _wait(self, budget: _PeerBudget, item: _AsyncBatch) -> bool:
-        """Wait for ``item``'s engine call (bounded by Mooncake's per-transfer timeout); True if read."""
+    def _wait(self, budget: _PeerBudget, item: _AsyncBatch, estimate: ThroughputEstimate,
+              deadline: float | None = None, idle: Callable[[float], None] = time.sleep) -> bool:
+        """Wait for ``item``'s engine call (bounded by Mooncake's per-transfer timeout); True if read.
+        Sleeps through most of its expected time first: the status call spins."""
         bid, item.bid = item.bid, None
         if bid is None:  # refused at submission: nothing in flight
             budget.release(len(item.lengths))
             return False
         try:
-            return bid == 0 or self._engine.get_batch_transfer_status([bid]) == 0
+            if bid == 0:
+                return True
+            return self._status_after_sleep(estimate, bid, sum(item.lengths), item.started, item.expected, deadline,
+                                            idle)
         finally:
             budget.release(len(item.lengths))
+
+    def _status_after_sleep(self, estimate: ThroughputEstimate, bid: int, nbytes: int, submitted_at: float,
+                            expected: float, deadline: float | None,
+                            idle: Callable[[float], None] = time.sleep) -> bool:
+        """The one status call of batch ``bid``, after sleeping through most of its expected time."""
+        ok = slept = False
+        asked = 0.0
+        try:
+            slept = sleep_until_expected(expected, submitted_at, deadline, idle) > 0
+            asked = time.monotonic()
+            ok = self._engine.get_batch_transfer_status([bid]) == 0
+            return ok
+        finally:
+            done = time.monotonic()
+            estimate.end(nbytes, submitted_at, done, ok, overslept=slept and done - asked < OVERSLEPT_S)
 
     def _submit_async(self, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> int | None:
         bid = int(self._engine.batch_transfer_async_read(peer, local, remote, lengths))
@@ -475,7 +513,16 @@ class MooncakeTransferEngine:
         return None if bid <= 0 or bid >= 1 << 63 else bid
 
     def _transfer(self, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
-        return int(self._engine.batch_transfer_sync_read(peer, local, remote, lengths))
+        """One read, synchronous to the caller: submitted asynchronously and waited for with a sleep
+        (``batch_transfer_sync_read`` spins on the status for the whole read)."""
+        submitted_at = time.monotonic()
+        bid = self._submit_async(peer, local, remote, lengths)
+        if bid is None:
+            return -1
+        estimate = self._estimate(peer)
+        nbytes = sum(lengths)
+        expected = estimate.begin(nbytes, submitted_at)
+        return 0 if self._status_after_sleep(estimate, bid, nbytes, submitted_at, expected, None) else -1
 
     def close(self) -> None:
         if self._closed:

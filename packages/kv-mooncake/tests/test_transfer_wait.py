@@ -1,0 +1,70 @@
+"""Waits for the TransferEngine that sleep instead of spinning: the estimate they sleep by."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kv_mooncake.transfer_wait import (
+    FIRST_GUESS_BYTES_PER_S,
+    MAX_BYTES_PER_S,
+    MIN_BYTES_PER_S,
+    ThroughputEstimate,
+    sleep_until_expected,
+)
+
+MIB = 1 << 20
+
+
+def test_first_guess_then_learns_from_finished_reads():
+    est = ThroughputEstimate()
+    assert est.bytes_per_s == FIRST_GUESS_BYTES_PER_S
+    for i in range(30):  # 64 MiB in 0.1 s, again and again: the estimate converges to 0.67 GB/s
+        t = 10.0 * i
+        est.begin(64 * MIB, t)
+        est.end(64 * MIB, t, t + 0.1)
+    assert est.bytes_per_s == pytest.approx(64 * MIB / 0.1, rel=0.01)
+    assert est.begin(64 * MIB, 1000.0) == pytest.approx(1000.1, rel=1e-4)
+
+
+def test_reads_in_flight_queue_behind_each_other_and_do_not_read_as_a_slow_link():
+    est = ThroughputEstimate(1e9)
+    first = est.begin(100_000_000, 0.0)
+    second = est.begin(100_000_000, 0.0)  # submitted together: expected after the first
+    assert first == pytest.approx(0.1) and second == pytest.approx(0.2)
+    est.end(100_000_000, 0.0, 0.1)
+    est.end(100_000_000, 0.0, 0.2)  # its link time is 0.1 s (after the first), not 0.2 s
+    assert est.bytes_per_s == pytest.approx(1e9)
+    assert est.begin(100_000_000, 5.0) == pytest.approx(5.1)  # nothing in flight: no queue
+
+
+def test_estimate_is_bounded_and_failures_or_tiny_reads_teach_nothing():
+    est = ThroughputEstimate(1e9)
+    est.begin(64 * MIB, 0.0)
+    est.end(64 * MIB, 0.0, 30.0, ok=False)  # a failed (stalled) read
+    est.begin(4096, 40.0)
+    est.end(4096, 40.0, 40.5)  # all fixed cost
+    assert est.bytes_per_s == 1e9
+    for i in range(50):
+        est.begin(64 * MIB, 100.0 * i)
+        est.end(64 * MIB, 100.0 * i, 100.0 * i + 60.0)  # a frozen peer: 1 MB/s
+    assert est.bytes_per_s == pytest.approx(MIN_BYTES_PER_S, rel=1e-3)
+    for i in range(50):
+        est.begin(64 * MIB, 10_000.0 + i)
+        est.end(64 * MIB, 10_000.0 + i, 10_000.0 + i + 1e-9)
+    assert est.bytes_per_s == pytest.approx(MAX_BYTES_PER_S, rel=1e-3)
+
+
+def test_sleep_keeps_the_deadline():
+    now = time.monotonic()
+    t0 = time.monotonic()
+    sleep_until_expected(now + 10.0, now, deadline=now + 0.05)
+    assert time.monotonic() - t0 < 1.0
+    assert sleep_until_expected(now - 1.0, now - 2.0, None) == 0.0  # already due: no sleep
+
+
+def test_a_read_found_done_at_once_means_we_overslept():
+    est = ThroughputEstimate(1e9)
+    est.begin(100_000_000, 0.0)
+    est.end(100_000_000, 0.0, 0.1, overslept=True)  # its time is unknown, but shorter
+    assert est.bytes_per_s == pytest.approx(2e9)
