@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from kv_mooncake.kv_digest import head_digests
 from kv_mooncake.local_cache import LocalCache, head_ranges
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
 from kv_mooncake.peer_health import PeerQueues
+from kv_mooncake.pipeline_stages import decode_stage_layers, stage_layer_problem
 from kv_mooncake.prefill_messenger import PrefillMessenger, peer_address
 from kv_mooncake.pull_errors import PeerDown, PullFailed
 from kv_mooncake.pull_plan import (
@@ -68,6 +69,9 @@ class _PullJob:
     failed_ranks: set[PrefillRank] = field(default_factory=set)
     told: set[PrefillRank] = field(default_factory=set)  # ranks whose DONE went out with the read
     unread: set[int] = field(default_factory=set)  # local block positions not read
+    # A pipeline-parallel prefill: its layers per stage, and this decode's layers pulled from each.
+    partition: tuple[int, ...] = ()
+    stage_layers: tuple[tuple[str, ...], ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -87,10 +91,10 @@ def remote_parts(hs: P.HandshakeReply) -> list[list[KVPart]]:
 
 def check_peer(cache: LocalCache, source: RemoteSource, hs: P.HandshakeReply) -> None:
     """The plan was made from kv_transfer_params: the prefill must really be laid out that way."""
-    said = (source.tp_size, source.pcp_size, source.dcp_size)
-    has = (hs.tp_size, hs.pcp_size, hs.dcp_size)
+    said = (source.tp_size, source.pcp_size, source.dcp_size, source.pp_size)
+    has = (hs.tp_size, hs.pcp_size, hs.dcp_size, hs.pp_size or 1)  # no pp_size: a peer from before PP
     if said != has:
-        raise PullFailed(f"kv_transfer_params say the prefill runs TP/PCP/DCP {said}, it runs {has}")
+        raise PullFailed(f"kv_transfer_params say the prefill runs TP/PCP/DCP/PP {said}, it runs {has}")
     if hs.kernel_blocks_per_block != cache.kernel_blocks_per_block or len(hs.parts or hs.layer_names) \
             != len(hs.layer_names):
         raise PullFailed(f"kernel blocks per block: decode {cache.kernel_blocks_per_block}, "
@@ -101,8 +105,9 @@ PairedRuns = Callable[[KVPart, KVPart, Any], list[tuple[int, int, int]]]
 
 
 def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, pull: Any,
-                    paired_runs: PairedRuns) -> tuple[list[int], list[int], list[int]]:
-    """(local addresses, remote addresses, lengths) of ``pull``: every layer, every KV tensor of it,
+                    paired_runs: PairedRuns, layers: Sequence[str] | None = None) -> tuple[list[int], list[int], list[int]]:
+    """(local addresses, remote addresses, lengths) of ``pull``: every layer (of ``layers``, the
+    pipeline stage's, when given; matched by name on both sides), every KV tensor of it,
     every logical block (each of its kernel blocks), every head span; ranges contiguous on both
     sides are merged. ``paired_runs(local part, remote part, span)``: the byte runs of a head span
     inside one block, paired between the two layouts."""
@@ -115,8 +120,9 @@ def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, p
     local: list[int] = []
     remote: list[int] = []
     lengths: list[int] = []
-    for li, name in enumerate(cache.layer_names):
-        ri = remote_index.get(name)
+    local_index = {name: i for i, name in enumerate(cache.layer_names)}
+    for name in cache.layer_names if layers is None else layers:
+        li, ri = local_index[name], remote_index.get(name)
         if ri is None:
             raise PullFailed(f"layer {name} missing on the prefill")
         lparts, rparts = cache.layer_parts(li), rparts_by_layer[ri]
@@ -146,6 +152,20 @@ def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, p
     return local, remote, lengths
 
 
+def _stage_layers(job: _PullJob, pull: RankPull, hs: P.HandshakeReply, address: str) -> tuple[str, ...] | None:
+    """The layers to read from ``pull``'s pipeline stage (None: one stage, every layer), once the
+    stage's handshake shows it is that stage and holds exactly those layers, by name."""
+    if not job.stage_layers:
+        return None
+    stage = pull.source.pp_rank
+    if hs.pp_rank != stage:
+        raise PullFailed(f"{address} is pipeline stage {hs.pp_rank}, this decode pulls stage {stage} there")
+    problem = stage_layer_problem(job.stage_layers[stage], hs.layer_names, stage, job.partition)
+    if problem:
+        raise PullFailed(f"{address}: {problem}")
+    return job.stage_layers[stage]
+
+
 class DecodePuller:
     """One decode rank's pulls: plan, read with the TransferEngine, verify, report to vLLM."""
 
@@ -160,12 +180,14 @@ class DecodePuller:
         use_mla: bool,
         stats: TransferStatsBase,
         ledger: FailureLedger,
+        num_hidden_layers: int = 0,
     ):
         self.config = config
         self.reader_id = reader_id
         self.decode_rank, self.decode_layout = decode_rank, decode_layout
         self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
         self.stats, self.ledger = stats, ledger
+        self.num_hidden_layers = num_hidden_layers  # the model's, for a PP prefill's stage ranges
         self.messenger = PrefillMessenger(config, reader_id=reader_id, decode_rank=decode_rank)
         self._lock = threading.Lock()
         self._finished: set[str] = set()  # pulls finished since the last ``take_finished`` (finished_recving)
@@ -208,8 +230,8 @@ class DecodePuller:
 
     # ---- pulls -------------------------------------------------------------------------------
     def _layouts(self, source: RemoteSource) -> PrefillLayout:
-        return PrefillLayout(tp_size=source.tp_size, total_kv_heads=self.total_kv_heads,
-                             pcp_size=source.pcp_size, dcp_size=source.dcp_size, use_mla=self.use_mla)
+        return PrefillLayout(tp_size=source.tp_size, total_kv_heads=self.total_kv_heads, pcp_size=source.pcp_size,
+                             dcp_size=source.dcp_size, use_mla=self.use_mla, pp_size=source.pp_size)
 
     def _pull(self, req: PullRequest) -> None:
         """Plan the request's pulls (on the engine's thread: pure arithmetic), then read from every
@@ -221,6 +243,11 @@ class DecodePuller:
             job.counts = readers_per_prefill_rank(job.prefill, self.decode_layout, req.num_blocks, req.skip_blocks, seed)
             job.pulls = plan_pulls(job.prefill, self.decode_layout, self.decode_rank, req.num_blocks,
                                    req.skip_blocks, seed)
+            if req.source.pp_size > 1:
+                assert self.cache is not None
+                declared = self.config.prefill.pp_layer_partition if self.config.prefill is not None else None
+                job.partition, job.stage_layers = decode_stage_layers(
+                    self.cache.layer_names, self.num_hidden_layers, req.source.pp_size, declared)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
             job.errors.append(exc)
             job.unread.update(range(max(0, req.skip_blocks), req.num_blocks))
@@ -316,12 +343,14 @@ class DecodePuller:
         req, deadline = job.req, job.deadline
         source = req.source
         hs = self.messenger.handshake(address, source.engine_id, deadline)
+        layers = _stage_layers(job, pull, hs, address)
         block_ids = sorted({source.block_ids[src_pos] for src_pos, _ in pull.blocks})
         started = P.PullStarted(request_id=source.request_id, reader_id=self.reader_id,
                                 expected_readers=job.counts[pull.source], block_ids=block_ids,
                                 prompt_digest=req.prompt_digest)
         reply = self.messenger.take_lease(address, started, deadline)
         hs = self.messenger.same_boot(address, source.engine_id, hs, reply.boot_id, deadline)
+        layers = _stage_layers(job, pull, hs, address)  # a new boot may hold other layers
         digests = self._expected_digests(reply, block_ids, hs, address) if self.config.verify_kv else None
         renew_lease = self.messenger.lease_renewer(address, source.request_id, deadline)
         delay = self.config.debug_pull_chunk_delay_s
@@ -347,7 +376,7 @@ class DecodePuller:
                 self._verify(req, batches[i], hs, digests)
             read.update(dst for _, dst in batches[i].blocks)
 
-        return int(self.te.read_batches(hs.te_address, (self._addresses(req, b, hs) for b in batches), deadline,
+        return int(self.te.read_batches(hs.te_address, (self._addresses(req, b, hs, layers) for b in batches), deadline,
                                         landed, on_retry=lambda _why: self.stats.incr("transfer_retries")))
 
     def _paired_runs(self, lp: KVPart, rp: KVPart, span: Any) -> list[tuple[int, int, int]]:
@@ -365,9 +394,10 @@ class DecodePuller:
             self._run_cache[key] = runs
         return runs
 
-    def _addresses(self, req: PullRequest, pull: Any, hs: P.HandshakeReply) -> tuple[list[int], list[int], list[int]]:
+    def _addresses(self, req: PullRequest, pull: Any, hs: P.HandshakeReply,
+                   layers: Sequence[str] | None = None) -> tuple[list[int], list[int], list[int]]:
         assert self.cache is not None
-        return transfer_ranges(self.cache, hs, req, pull, self._paired_runs)
+        return transfer_ranges(self.cache, hs, req, pull, self._paired_runs, layers)
 
     def _expected_digests(self, reply: P.Ack, block_ids: list[int], hs: P.HandshakeReply,
                           address: str) -> dict[int, list[int]]:

@@ -16,6 +16,7 @@ class RemoteSource(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int = 1
     pcp_size: int = 1
     dcp_size: int = 1
+    pp_size: int = 1  # pipeline stages of the prefill (kv_mooncake.pipeline_stages)
 
 
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True):

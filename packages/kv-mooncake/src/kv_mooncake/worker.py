@@ -29,6 +29,7 @@ from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.decode_puller import PULL_BATCH_BLOCKS, DecodePuller, PeerDown, PullFailed
 from kv_mooncake.local_cache import LocalCache, check_kv_cache_groups, describe_kv_caches
 from kv_mooncake.metadata import MooncakeStep
+from kv_mooncake.pipeline_stages import own_stage_problem
 from kv_mooncake.prefill_holder import PrefillHolder
 from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
 from kv_mooncake.side_channel_auth import SideChannelAuth, auth_from_env
@@ -56,6 +57,8 @@ class MooncakeWorker:
         use_mla: bool = False,
         compatibility_base: dict[str, Any] | None = None,
         engine_factory: Callable[..., Any] | None = None,
+        layer_partition: tuple[int, ...] | None = None,
+        num_hidden_layers: int = 0,
     ):
         self.config = config
         self.engine_id = engine_id
@@ -68,13 +71,15 @@ class MooncakeWorker:
         self._compat_base = dict(compatibility_base or {})
         self._engine_factory = engine_factory
         self.reader_id = f"{engine_id}:{decode_rank.tp_rank}"
+        self.layer_partition = layer_partition  # a PP prefill's layers per stage (pipeline_stages)
 
         self.stats = TransferStatsBase()
         self.ledger = FailureLedger()
-        self.holder = PrefillHolder(config, engine_id=engine_id, prefill_layout=self.prefill_layout, stats=self.stats)
+        self.holder = PrefillHolder(config, engine_id=engine_id, prefill_layout=self.prefill_layout, stats=self.stats,
+                                    pp_rank=prefill_rank.pp_rank)
         self.puller = DecodePuller(config, reader_id=self.reader_id, decode_rank=decode_rank,
                                    decode_layout=decode_layout, total_kv_heads=total_kv_heads, use_mla=use_mla,
-                                   stats=self.stats, ledger=self.ledger)
+                                   stats=self.stats, ledger=self.ledger, num_hidden_layers=num_hidden_layers)
 
         self.cache: LocalCache | None = None
         self.compatibility: P.Compatibility | None = None
@@ -95,6 +100,12 @@ class MooncakeWorker:
 
     def register_cache(self, cache: LocalCache, shape: dict[str, int], dtype: str) -> None:
         """Register raw regions (tests and benchmarks use this without torch)."""
+        if self.is_producer and self.layer_partition is not None:
+            # Every decode expects this stage's layers by the partition: a stage that holds others
+            # would have each pull refused, so it does not start.
+            problem = own_stage_problem(cache.layer_names, self.prefill_rank.pp_rank, self.layer_partition)
+            if problem:
+                raise ValueError(f"MooncakeConnectorV1: {problem}")
         self.cache = cache
         base = self._compat_base
         self.compatibility = P.Compatibility(
