@@ -77,3 +77,18 @@ def test_rejects_bad_params(tmp_path):
         build_tiny_llama(tmp_path / "x", head_dim=48)
     with pytest.raises(TypeError):
         cached_tiny_model(bogus=1)
+    with pytest.raises(TypeError):
+        cached_tiny_model(sliding_window=64)  # a Llama has no window
+    with pytest.raises(ValueError):
+        cached_tiny_model(arch="mamba")
+
+
+def test_hybrid_gemma2_alternates_sliding_and_full(tmp_path, monkeypatch):
+    monkeypatch.setenv("KV_TEST_MODEL_CACHE", str(tmp_path / "cache"))
+    path = cached_tiny_model(arch="gemma2", sliding_window=64)
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Gemma2ForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert config["sliding_window"] == 64 and config["tie_word_embeddings"] is True
+    assert params_hash(arch="gemma2", sliding_window=64) != params_hash(arch="gemma2")
+    assert params_hash() == params_hash(arch="llama")  # a Llama's cache key is unchanged

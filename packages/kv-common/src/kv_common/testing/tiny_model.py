@@ -1,8 +1,10 @@
-"""A tiny random float32 Llama and a locally trained byte-level BPE tokenizer. Nothing is downloaded.
+"""Tiny random float32 models and a locally trained byte-level BPE tokenizer. Nothing is downloaded.
 
 ``build_tiny_llama(out_dir)`` writes a Hugging Face model directory that vLLM can serve;
 ``cached_tiny_model(**params)`` keeps one per parameter set under a shared cache directory,
-guarded by a file lock so parallel test processes build it once.
+guarded by a file lock so parallel test processes build it once. ``arch="gemma2"`` builds a
+hybrid model instead: layers alternate sliding-window and full attention (``sliding_window``
+tokens), so vLLM runs it with its hybrid KV-cache manager (two KV-cache groups).
 """
 
 from __future__ import annotations
@@ -34,16 +36,33 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "seed": 1234,
 }
 
+# Only a hybrid architecture takes these; they stay out of a Llama's parameters (and its cache hash).
+HYBRID_ARCHS = ("gemma2",)
+DEFAULT_SLIDING_WINDOW = 128
+
 # Head sizes the vLLM CPU attention kernels support.
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128)
 
 
 def _normalize(params: dict[str, Any]) -> dict[str, Any]:
+    params = dict(params)
+    arch = str(params.pop("arch", "llama"))
+    window = params.pop("sliding_window", None)
     unknown = set(params) - set(DEFAULT_PARAMS)
     if unknown:
         raise TypeError(f"unknown tiny-model parameters: {sorted(unknown)}")
-    merged = {**DEFAULT_PARAMS, **params}
+    if arch not in ("llama", *HYBRID_ARCHS):
+        raise ValueError(f"arch must be 'llama' or one of {HYBRID_ARCHS}, not {arch!r}")
+    if arch == "llama" and window is not None:
+        raise TypeError("sliding_window applies to a hybrid arch only")
+    hybrid_defaults = {"num_layers": 4} if arch != "llama" else {}
+    merged = {**DEFAULT_PARAMS, **hybrid_defaults, **params}
     merged = {k: int(v) for k, v in merged.items()}
+    if arch != "llama":
+        merged["arch"] = arch
+        merged["sliding_window"] = int(window if window is not None else DEFAULT_SLIDING_WINDOW)
+        if merged["num_layers"] < 2 or merged["sliding_window"] < 1:
+            raise ValueError("a hybrid tiny model needs >= 2 layers and a sliding_window >= 1")
     if merged["head_dim"] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS} for the vLLM CPU kernels")
     if merged["num_heads"] % merged["num_kv_heads"]:
@@ -164,14 +183,19 @@ def build_tiny_llama(
     vocab_size: int = 1024,
     max_position_embeddings: int = 4096,
     seed: int = 1234,
+    arch: str = "llama",
+    sliding_window: int | None = None,
 ) -> Path:
-    """Write a random float32 Llama + byte-level BPE tokenizer to ``out_dir`` and return it.
+    """Write a random float32 model (Llama, or ``arch="gemma2"``) + byte-level BPE tokenizer to
+    ``out_dir`` and return it.
 
     Returns at once when ``out_dir`` already holds a complete model built with the same
     parameters (recorded in ``params.json``, written last).
     """
+    hybrid = {} if arch == "llama" else {"arch": arch, "sliding_window": sliding_window}
     params = _normalize(
         dict(
+            **hybrid,
             num_layers=num_layers,
             hidden_size=hidden_size,
             num_heads=num_heads,
@@ -187,33 +211,11 @@ def build_tiny_llama(
     if _is_complete(out, params):
         return out
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         (out / PARAMS_FILE).unlink()  # mark incomplete while rebuilding
 
-    config = LlamaConfig(
-        vocab_size=params["vocab_size"],
-        hidden_size=params["hidden_size"],
-        intermediate_size=params["intermediate_size"],
-        num_hidden_layers=params["num_layers"],
-        num_attention_heads=params["num_heads"],
-        num_key_value_heads=params["num_kv_heads"],
-        head_dim=params["head_dim"],
-        max_position_embeddings=params["max_position_embeddings"],
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=3,
-        torch_dtype="float32",
-    )
-    # Deterministic weights without disturbing the caller's global RNG state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(params["seed"])
-        model = LlamaForCausalLM(config).to(torch.float32)
+    model = _random_gemma2(params) if params.get("arch") == "gemma2" else _random_llama(params)
     model.eval()
     model.save_pretrained(str(out), safe_serialization=True)
     if not (out / "model.safetensors").is_file():
@@ -226,6 +228,66 @@ def build_tiny_llama(
     tmp.write_text(json.dumps(params, indent=1, sort_keys=True))
     os.replace(tmp, out / PARAMS_FILE)
     return out
+
+
+def _shape_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face config arguments every tiny architecture shares."""
+    return dict(
+        vocab_size=params["vocab_size"],
+        hidden_size=params["hidden_size"],
+        intermediate_size=params["intermediate_size"],
+        num_hidden_layers=params["num_layers"],
+        num_attention_heads=params["num_heads"],
+        num_key_value_heads=params["num_kv_heads"],
+        head_dim=params["head_dim"],
+        max_position_embeddings=params["max_position_embeddings"],
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=3,
+        torch_dtype="float32",
+    )
+
+
+def _random_llama(params: dict[str, Any]) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**_shape_kwargs(params), rms_norm_eps=1e-5, tie_word_embeddings=False)
+    # Deterministic weights without disturbing the caller's global RNG state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(params["seed"])
+        return LlamaForCausalLM(config).to(torch.float32)
+
+
+def _random_gemma2(params: dict[str, Any]) -> Any:
+    """Gemma2 with ``layer_types`` alternating sliding / full attention, random weights.
+
+    Gemma2 ties its output to the embedding and scales the embedding up by sqrt(hidden): with
+    random weights the logits then echo the last input token. A small embedding and larger
+    projections let the attention (and so the KV under test) decide the next token.
+    """
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    n = params["num_layers"]
+    config = Gemma2Config(
+        **_shape_kwargs(params),
+        sliding_window=params["sliding_window"],
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+        query_pre_attn_scalar=params["head_dim"],
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(params["seed"])
+        model = Gemma2ForCausalLM(config).to(torch.float32)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(0.05)
+            for name, weight in model.named_parameters():
+                if name.endswith("proj.weight"):
+                    weight.mul_(4.0)
+    return model
 
 
 def params_hash(**params: Any) -> str:
