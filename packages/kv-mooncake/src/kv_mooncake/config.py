@@ -138,8 +138,10 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
     role = ktc.get("kv_role") or "kv_both"
     producer = role in ("kv_producer", "kv_both")
     base = config.side_channel_port if config.side_channel_port is not None else int(ktc["kv_port"])
-    # One side-channel port per worker rank (DP rank r adds r * world size, not known here).
+    # One side-channel port per worker rank, every pipeline stage's included (DP rank r adds
+    # r * world size, not known here).
     ranks = (config.prefill.tp_size if producer and config.prefill and config.prefill.tp_size else 1)
+    ranks *= (config.prefill.pp_size or 1) if producer and config.prefill else 1
     plan = Preflight(modules=[("mooncake.engine", "TransferEngine", "Mooncake TransferEngine")])
     from kv_mooncake.declared_layout import start_up_contradictions
 
