@@ -69,6 +69,7 @@ def test_prefill_pp2_to_decode_pp1(engines):
     params = _prefill(p, prompts)
     assert all(x["remote_pp_size"] == 2 for x in params), params[0]
     computed_before = _decode_computed(d)
+    assert computed_before > 0  # the reference run counted (shared prefixes count as local_cache_hit)
     out = d.generate(prompts, _forward(params), timeout_s=PULL_TIMEOUT_S + 120)
     assert_same_tokens(out, reference)
     assert out.num_cached_tokens == [len(x) for x in prompts], (out.num_cached_tokens, out.stderr_tail)
