@@ -138,13 +138,14 @@ def test_backend_named_as_module_factory_is_checked_for_import(capsys):
     assert "backend 'kv_no_such_backend_module:make'" in problem and "does not import" in problem
 
 
-def test_pipeline_parallel_prefill_is_refused_before_start(capsys):
-    # vllm-ascend's pipeline_parallel.md topology: parses, but MooncakeConnectorV1 would refuse it at start-up.
-    config = _p2p(free_port(), role="kv_consumer")
-    config["kv_connector_extra_config"] = {"prefill": {"dp_size": 1, "tp_size": 8, "pp_size": 2,
-                                                       "pp_layer_partition": "32,29"},
-                                           "decode": {"dp_size": 1, "tp_size": 1, "pp_size": 1}}
+def test_pipeline_parallel_prefill_checks_a_port_per_stage_rank(capsys):
+    # vllm-ascend's pipeline_parallel.md topology: a PP 2 x TP 2 prefill, a PP 1 decode.
+    extra = {"prefill": {"dp_size": 1, "tp_size": 2, "pp_size": 2, "pp_layer_partition": "32,29"},
+             "decode": {"dp_size": 1, "tp_size": 1, "pp_size": 1}}
+    config = {**_p2p(free_port(), role="kv_consumer"), "kv_connector_extra_config": extra}
     rc, checks = _doctor(capsys, config)
-    assert rc == 1
-    assert _problems(checks) == ["prefill.pp_size is 2 but MooncakeConnectorV1 moves KV only between instances "
-                                 "with pipeline_parallel_size 1"]
+    assert rc == 0, _problems(checks)
+    config = {**_p2p(free_port()), "kv_connector_extra_config": extra}
+    rc, checks = _doctor(capsys, config)
+    assert rc == 0, _problems(checks)
+    assert sum("side channel of worker rank" in c["detail"] and "is free" in c["detail"] for c in checks) == 4

@@ -38,6 +38,9 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 PULL_TIMEOUT_S = 120.0
 HOLD_TIMEOUT_S = 300.0
 CLEAN_TIMEOUT_S = 60.0
+# One compute thread per worker: three workers share the 2 cores here.
+ENGINE_KWARGS = dict(max_tokens=MAX_TOKENS, max_model_len=2048, kv_cache_bytes=128 << 20, cpu_bind="nobind",
+                     env=ONE_THREAD)
 
 
 def _config(port: int) -> dict:
@@ -55,9 +58,7 @@ def _config(port: int) -> dict:
 @pytest.fixture(scope="module")
 def engines():
     model = str(cached_tiny_model())
-    # One compute thread per worker: three workers share the 2 cores here.
-    common = dict(max_tokens=MAX_TOKENS, max_model_len=2048, kv_cache_bytes=128 << 20, cpu_bind="nobind",
-                  env=ONE_THREAD)
+    common = ENGINE_KWARGS
     engs = {
         "t": EngineProcess(model, kv_transfer_config=_config(T_PORT), name="tp2", start_timeout_s=600,
                            extra_llm_kwargs={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 from kv_common.config import ConnectorConfigError
-from kv_mooncake.config import MooncakeConfig, parse_config
+from kv_mooncake.config import MooncakeConfig, ParallelSizes, parse_config
 from kv_mooncake.declared_layout import peer_layout_contradiction, start_up_contradictions
 
 # docs/source/tutorials/features/pd_disaggregation_mooncake_single_node.md (vllm-ascend)
@@ -61,11 +61,16 @@ def test_producer_refuses_a_declared_prefill_size_that_is_not_its_own():
     pp = parse_config({"decode": {"tp_size": 1, "pp_size": "2"}})
     assert start_up_contradictions(pp, is_producer=False, is_consumer=True, tp_size=1, pp_size=1) == [
         "decode.pp_size is 2 but this decode instance runs pipeline_parallel_size 1"]
-    # vllm-ascend's documented PP prefill (pipeline_parallel.md): parses, but no PP pulls here.
-    problems = start_up_contradictions(parse_config(DOCUMENTED_PP), is_producer=False, is_consumer=True,
-                                       tp_size=1, pp_size=1)
-    assert problems == ["prefill.pp_size is 2 but MooncakeConnectorV1 moves KV only between instances with "
-                        "pipeline_parallel_size 1"]
+    # vllm-ascend's documented PP prefill (pipeline_parallel.md): its PP 1 decode starts, and so does
+    # its prefill when it places its layers as declared; another partition is refused naming both.
+    assert start_up_contradictions(parse_config(DOCUMENTED_PP), is_producer=False, is_consumer=True,
+                                   tp_size=1, pp_size=1) == []
+    assert start_up_contradictions(parse_config(DOCUMENTED_PP), is_producer=True, is_consumer=False,
+                                   tp_size=8, pp_size=2, layer_partition=(32, 29)) == []
+    assert start_up_contradictions(parse_config(DOCUMENTED_PP), is_producer=True, is_consumer=False,
+                                   tp_size=8, pp_size=2, layer_partition=(31, 30)) == [
+        "prefill.pp_layer_partition is '32,29' but this prefill instance places its layers 31,30 "
+        "(VLLM_PP_LAYER_PARTITION, else vLLM's even split)"]
     assert start_up_contradictions(parse_config({}), is_producer=True, is_consumer=True, tp_size=4, pp_size=2) == []
 
 
@@ -75,6 +80,20 @@ def test_decode_refuses_a_peer_whose_layout_contradicts_the_declared_one():
     assert peer_layout_contradiction(cfg, remote_tp_size=1) == (
         "prefill.tp_size is 2 but the prefill instance reports tensor_parallel_size 1")
     assert peer_layout_contradiction(parse_config({}), remote_tp_size=1) is None
+    pp = parse_config(DOCUMENTED_PP)
+    assert peer_layout_contradiction(pp, remote_tp_size=8, remote_pp_size=2) is None
+    assert peer_layout_contradiction(pp, remote_tp_size=8, remote_pp_size=1) == (
+        "prefill.pp_size is 2 but the prefill instance reports pipeline_parallel_size 1")
+
+
+def test_a_declared_layer_partition_must_parse_and_match_the_declared_stages():
+    with pytest.raises(ValueError, match="prefill.pp_layer_partition.*comma-separated"):
+        parse_config({"prefill": {"pp_size": 2, "pp_layer_partition": "32;29"}})
+    with pytest.raises(ValueError, match="prefill.pp_layer_partition.*has 3 stages, pp_size is 2"):
+        parse_config({"prefill": {"pp_size": 2, "pp_layer_partition": "20,20,21"}})
+    with pytest.raises(ValueError, match="at least one layer"):
+        parse_config({"prefill": {"pp_layer_partition": "0,4"}})
+    assert "pp_layer_partition" not in ParallelSizes.no_effect_keys
 
 
 def _decode_request(remote_tp_size: int):

@@ -17,10 +17,10 @@ def test_the_plain_layout_is_served(consumer):
     assert unsupported_settings(fp(), is_consumer=consumer) == []
 
 
-@pytest.mark.parametrize("consumer", [False, True])
-def test_pipeline_parallelism_is_refused(consumer):
-    (problem,) = unsupported_settings(fp(pp=2), is_consumer=consumer)
-    assert problem.startswith("pipeline_parallel_size=2:")
+def test_pipeline_parallelism_is_refused_on_a_decode_only():
+    (problem,) = unsupported_settings(fp(pp=2), is_consumer=True)
+    assert problem.startswith("pipeline_parallel_size=2 on a kv_consumer:")
+    assert unsupported_settings(fp(pp=2), is_consumer=False) == []
 
 
 @pytest.mark.parametrize("consumer", [False, True])

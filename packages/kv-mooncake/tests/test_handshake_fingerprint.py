@@ -115,7 +115,7 @@ def test_same_fingerprint_across_tp_sizes_is_accepted():
 
 
 @pytest.mark.parametrize("over,consumer,names", [
-    ({"pp": 2}, False, ["pipeline_parallel_size=2"]),
+    ({"pp": 2}, True, ["pipeline_parallel_size=2 on a kv_consumer", "pipeline_parallel_size=1"]),
     ({"dcp": 2, "interleave": 1}, False, ["cp_kv_cache_interleave_size=1", "set cp_kv_cache_interleave_size=16"]),
     ({"pcp": 2, "dcp": 2, "interleave": 16}, False, ["prefill_context_parallel_size=2 with decode_context_parallel_size=2"]),
     ({"pcp": 2}, True, ["prefill_context_parallel_size=2 on a kv_consumer"]),
@@ -128,13 +128,14 @@ def test_unsupported_parallel_settings_are_refused_naming_the_setting(over, cons
 
 @pytest.mark.parametrize("over,consumer", [
     ({}, True), ({"dcp": 2, "interleave": 16}, True), ({"pcp": 2}, False), ({"dcp": 4, "interleave": 16}, False),
+    ({"pp": 2}, False),  # a pipeline-parallel prefill: each stage serves its own layers
 ])
 def test_supported_parallel_settings_pass(over, consumer):
     assert unsupported_settings(config_fingerprint(_vllm_config(**over)), is_consumer=consumer) == []
 
 
 @pytest.mark.parametrize("over,role,needle", [
-    ({"pp": 2}, "kv_producer", "pipeline_parallel_size=2"),
+    ({"pp": 2}, "kv_both", "pipeline_parallel_size=2 on a kv_consumer"),
     ({"dcp": 2, "interleave": 1}, "kv_consumer", "set cp_kv_cache_interleave_size=16"),
 ])
 def test_connector_refuses_at_start_up(over, role, needle):

@@ -30,6 +30,7 @@ from kv_mooncake.prompt_identity import prompt_digest  # noqa: E402
 from kv_mooncake.pull_plan import (  # noqa: E402
     DecodeLayout,
     PrefillLayout,
+    PrefillRank,
     group_blocks_to_pull,
     group_readers_per_prefill_rank,
     plan_group_pulls,
@@ -134,7 +135,8 @@ def test_readers_count_each_decode_rank_once_whatever_its_groups():
     groups = kv_groups(_kv_cache_config(_spec("full", 4), _spec("sliding_window", 4, 6)))
     blocks = group_blocks_to_pull(groups, num_tokens=23, num_computed_tokens=0)
     prefill = PrefillLayout(tp_size=2, total_kv_heads=HEADS)
-    assert group_readers_per_prefill_rank(prefill, DecodeLayout(tp_size=1), blocks) == {(0, 0): 1, (1, 0): 1}
+    assert group_readers_per_prefill_rank(prefill, DecodeLayout(tp_size=1), blocks) == {
+        PrefillRank(0, 0): 1, PrefillRank(1, 0): 1}
 
 
 def _allocate_decode(manager, request_id: str, n: int) -> list[list[int]]:

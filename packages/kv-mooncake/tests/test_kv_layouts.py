@@ -186,7 +186,7 @@ def test_prefill_parallel_sizes_must_match_kv_transfer_params():
     source = RemoteSource(engine_id="P", host="h", port=1, request_id="r", block_ids=[0], tp_size=1)  # stale
     req = PullRequest(request_id="r", source=source, local_block_ids=[[0]], num_blocks=1, skip_blocks=0)
     pull = plan_pulls(PrefillLayout(1, HEADS), DecodeLayout(1), DecodeRank(0), 1)[0]
-    with pytest.raises(PullFailed, match=r"TP/PCP/DCP \(1, 1, 1\), it runs \(2, 1, 1\)"):
+    with pytest.raises(PullFailed, match=r"TP/PCP/DCP/PP \(1, 1, 1, 1\), it runs \(2, 1, 1, 1\)"):
         decode.puller._addresses(req, pull, hs)
 
 

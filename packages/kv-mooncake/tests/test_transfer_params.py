@@ -73,7 +73,7 @@ def test_keys_valid_alone_but_not_together_keep_no_address():
     assert "remote_port 65535 + 2 prefill ranks" in read.problem
     assert read.params.source() is None and read.params.tp_size == 2
     read = read_transfer_params({**WIRE, "remote_tp_size": 64, "remote_pcp_size": 8})
-    assert read.problem == "remote_tp_size 64 x remote_pcp_size 8 = 512 prefill ranks, at most 256"
+    assert read.problem == "remote_tp_size 64 x remote_pcp_size 8 x remote_pp_size 1 = 512 prefill ranks, at most 256"
     assert read.params == TransferParams(do_remote_prefill=True)  # then only the flags count
 
 

@@ -153,8 +153,8 @@ def tp_rank() -> int:
 
 
 def parallel_ranks() -> dict[str, int]:
-    """This worker's tp / pcp / dcp rank (0 where the group is not initialised, e.g. in tests)."""
-    ranks = {"tp_rank": 0, "pcp_rank": 0, "dcp_rank": 0}
+    """This worker's tp / pcp / dcp / pp rank (0 where the group is not initialised, e.g. in tests)."""
+    ranks = {"tp_rank": 0, "pcp_rank": 0, "dcp_rank": 0, "pp_rank": 0}
     try:
         state = _import("vllm.distributed.parallel_state")
     except ImportError:
@@ -163,6 +163,7 @@ def parallel_ranks() -> dict[str, int]:
         ("tp_rank", "get_tensor_model_parallel_rank"),
         ("pcp_rank", "get_pcp_group"),
         ("dcp_rank", "get_dcp_group"),
+        ("pp_rank", "get_pp_group"),
     ):
         try:
             value = getattr(state, getter)()

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from kv_common import vllm_compat
-from kv_common.config import ConnectorConfig, parse_extra_config
+from kv_common.config import ConfigKeyError, ConnectorConfig, parse_extra_config
 
 CONNECTOR_NAME = "MooncakeConnectorV1"
 
@@ -15,8 +15,11 @@ class ParallelSizes(ConnectorConfig, frozen=True):  # frozen like its base (said
     """vllm-ascend's ``prefill`` / ``decode`` keys: the parallel layout of that side.
 
     tp_size and pp_size are checked: at start-up against this instance's own layout (prefill
-    sizes on a producer, decode sizes on a consumer), and on the decode against the tp_size each
+    sizes on a producer, decode sizes on a consumer), and on the decode against the sizes each
     prefill reports in its kv_transfer_params. A contradiction is refused naming both values.
+    ``prefill.pp_layer_partition`` (the prefill's ``VLLM_PP_LAYER_PARTITION``, e.g. ``"32,29"``) tells
+    a decode which layers each prefill stage holds (``kv_mooncake.pipeline_stages``); a prefill
+    checks it against the partition it runs.
     """
 
     dp_size: int | None = None
@@ -26,8 +29,20 @@ class ParallelSizes(ConnectorConfig, frozen=True):  # frozen like its base (said
 
     no_effect_keys: ClassVar[dict[str, str]] = {
         "dp_size": "each prefill DP rank is found through the kv_transfer_params of its requests",
-        "pp_layer_partition": "this connector moves whole blocks of every layer a rank holds",
     }
+
+    def check(self) -> None:
+        if self.pp_layer_partition is None:
+            return
+        from kv_mooncake.pipeline_stages import StageError, parse_partition
+
+        try:
+            stages = len(parse_partition(self.pp_layer_partition))
+        except StageError as exc:
+            raise ConfigKeyError("pp_layer_partition", str(exc)) from None
+        if self.pp_size is not None and stages != self.pp_size:
+            raise ConfigKeyError("pp_layer_partition", f"{self.pp_layer_partition!r} has {stages} stages, "
+                                 f"pp_size is {self.pp_size}")
 
 
 class MooncakeConfig(ConnectorConfig, frozen=True):
@@ -123,8 +138,10 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
     role = ktc.get("kv_role") or "kv_both"
     producer = role in ("kv_producer", "kv_both")
     base = config.side_channel_port if config.side_channel_port is not None else int(ktc["kv_port"])
-    # One side-channel port per worker rank (DP rank r adds r * world size, not known here).
+    # One side-channel port per worker rank, every pipeline stage's included (DP rank r adds
+    # r * world size, not known here).
     ranks = (config.prefill.tp_size if producer and config.prefill and config.prefill.tp_size else 1)
+    ranks *= (config.prefill.pp_size or 1) if producer and config.prefill else 1
     plan = Preflight(modules=[("mooncake.engine", "TransferEngine", "Mooncake TransferEngine")],
                      mooncake_build="Mooncake TransferEngine")
     from kv_mooncake.declared_layout import start_up_contradictions

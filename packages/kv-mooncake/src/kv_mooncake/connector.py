@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kv_common import vllm_compat
@@ -11,6 +12,7 @@ from kv_mooncake.config import load_config
 from kv_mooncake.declared_layout import start_up_contradictions
 from kv_mooncake.fingerprint import config_fingerprint, unsupported_settings
 from kv_mooncake.metadata import MooncakeStep
+from kv_mooncake.pipeline_stages import stage_partition
 from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank, plans_per_group
 from kv_mooncake.scheduler import MooncakeScheduler, side_channel_base_port
 from kv_mooncake.worker import MooncakeWorker, check_kv_cache_groups
@@ -36,6 +38,24 @@ def _parallel(vllm_config: Any) -> dict[str, int]:
         "dcp": settings.dcp_size,
         "dp_rank": int(getattr(parallel, "data_parallel_rank", 0) or 0),
     }
+
+
+def _num_hidden_layers(vllm_config: Any) -> int:
+    """The model's decoder layers (vLLM's ``get_pp_indices`` splits these over the stages); 0 when
+    the config cannot tell (partial configs in unit tests)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_hidden_layers())
+    except Exception:  # noqa: BLE001 - unknown: the decode counts its own layers instead
+        return 0
+
+
+def _own_partition(vllm_config: Any, pp_size: int) -> tuple[int, ...] | None:
+    """The layers per stage this instance runs, by vLLM's rule (``VLLM_PP_LAYER_PARTITION`` else the
+    even split); None with one stage or when the layer count is unknown."""
+    layers = _num_hidden_layers(vllm_config)
+    if pp_size == 1 or not layers:
+        return None
+    return stage_partition(layers, pp_size, os.environ.get("VLLM_PP_LAYER_PARTITION") or None)
 
 
 def _kv_shape(vllm_config: Any, use_mla: bool) -> dict[str, int]:
@@ -67,12 +87,14 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: igno
         is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         # vllm-ascend's declared prefill/decode sizes must describe what really runs here.
         pp_size = fingerprint["pipeline_parallel_size"]
+        partition = _own_partition(vllm_config, pp_size)
         contradictions = start_up_contradictions(
-            self.config, is_producer=is_producer, is_consumer=is_consumer, tp_size=par["tp"], pp_size=pp_size
+            self.config, is_producer=is_producer, is_consumer=is_consumer, tp_size=par["tp"], pp_size=pp_size,
+            layer_partition=partition,
         )
         if contradictions:
             raise ValueError(f"MooncakeConnectorV1: kv_connector_extra_config {'; '.join(contradictions)}")
-        world = par["tp"] * par["pcp"]  # DCP reuses the TP ranks
+        world = par["tp"] * par["pcp"] * pp_size  # DCP reuses the TP ranks; each stage has its own
         port = side_channel_base_port(self.config, int(ktc.kv_port), par["dp_rank"], world)
         self._scheduler: MooncakeScheduler | None = None
         self._worker: MooncakeWorker | None = None
@@ -80,7 +102,7 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: igno
             self._scheduler = MooncakeScheduler(
                 self.config, engine_id=self.engine_id, block_size=int(vllm_config.cache_config.block_size),
                 is_producer=is_producer, is_consumer=is_consumer, side_channel_port=port,
-                tp_size=par["tp"], pcp_size=par["pcp"], dcp_size=par["dcp"], groups=groups,
+                tp_size=par["tp"], pcp_size=par["pcp"], dcp_size=par["dcp"], groups=groups, pp_size=pp_size,
             )
         else:
             model = vllm_config.model_config
@@ -99,10 +121,11 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: igno
             self._worker = MooncakeWorker(
                 self.config, engine_id=self.engine_id, is_producer=is_producer, is_consumer=is_consumer,
                 side_channel_port=port,
-                prefill_rank=PrefillRank(tp_rank, pcp_rank),
+                prefill_rank=PrefillRank(tp_rank, pcp_rank, ranks["pp_rank"]),
                 decode_rank=DecodeRank(tp_rank),
-                prefill_layout=PrefillLayout(tp_size=par["tp"], total_kv_heads=total_heads,
-                                             pcp_size=par["pcp"], dcp_size=par["dcp"], use_mla=use_mla),
+                prefill_layout=PrefillLayout(tp_size=par["tp"], total_kv_heads=total_heads, pcp_size=par["pcp"],
+                                             dcp_size=par["dcp"], use_mla=use_mla, pp_size=pp_size),
+                layer_partition=partition, num_hidden_layers=_num_hidden_layers(vllm_config),
                 decode_layout=DecodeLayout(tp_size=par["tp"], dcp_size=par["dcp"]),
                 total_kv_heads=total_heads, use_mla=use_mla,
                 compatibility_base={**fingerprint, **_kv_shape(vllm_config, use_mla)}, kv_groups=groups,

@@ -18,7 +18,7 @@ import functools
 import importlib.util
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from kv_mooncake.kv_digest import head_digests
 from kv_mooncake.local_cache import LocalCache, head_ranges
 from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
 from kv_mooncake.peer_health import PeerQueues
+from kv_mooncake.pipeline_stages import decode_stage_layers, stage_layer_problem
 from kv_mooncake.prefill_messenger import PrefillMessenger, peer_address
 from kv_mooncake.pull_errors import PeerDown, PullFailed
 from kv_mooncake.pull_plan import (
@@ -75,6 +76,9 @@ class _PullJob:
     failed_ranks: set[PrefillRank] = field(default_factory=set)
     told: set[PrefillRank] = field(default_factory=set)  # ranks whose DONE went out with the read
     unread: set[tuple[int, int]] = field(default_factory=set)  # (group, local block position) not read
+    # A pipeline-parallel prefill: its layers per stage, and this decode's layers pulled from each.
+    partition: tuple[int, ...] = ()
+    stage_layers: tuple[tuple[str, ...], ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -94,10 +98,10 @@ def remote_parts(hs: P.HandshakeReply) -> list[list[KVPart]]:
 
 def check_peer(cache: LocalCache, source: RemoteSource, hs: P.HandshakeReply) -> None:
     """The plan was made from kv_transfer_params: the prefill must really be laid out that way."""
-    said = (source.tp_size, source.pcp_size, source.dcp_size)
-    has = (hs.tp_size, hs.pcp_size, hs.dcp_size)
+    said = (source.tp_size, source.pcp_size, source.dcp_size, source.pp_size)
+    has = (hs.tp_size, hs.pcp_size, hs.dcp_size, hs.pp_size or 1)  # no pp_size: a peer from before PP
     if said != has:
-        raise PullFailed(f"kv_transfer_params say the prefill runs TP/PCP/DCP {said}, it runs {has}")
+        raise PullFailed(f"kv_transfer_params say the prefill runs TP/PCP/DCP/PP {said}, it runs {has}")
     if hs.kernel_blocks_per_block != cache.kernel_blocks_per_block or len(hs.parts or hs.layer_names) \
             != len(hs.layer_names):
         raise PullFailed(f"kernel blocks per block: decode {cache.kernel_blocks_per_block}, "
@@ -125,8 +129,10 @@ PairedRuns = Callable[[KVPart, KVPart, Any], list[tuple[int, int, int]]]
 
 
 def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, pull: Any,
-                    paired_runs: PairedRuns, use_arrays: bool | None = None) -> tuple[list[int], list[int], list[int]]:
-    """(local addresses, remote addresses, lengths) of ``pull``: every layer, every KV tensor of it,
+                    paired_runs: PairedRuns, layers: Sequence[str] | None = None,
+                    use_arrays: bool | None = None) -> tuple[list[int], list[int], list[int]]:
+    """(local addresses, remote addresses, lengths) of ``pull``: every layer (of ``layers``, the
+    pipeline stage's, when given; matched by name on both sides), every KV tensor of it,
     every logical block (each of its kernel blocks), every head span; ranges contiguous on both
     sides are merged. ``paired_runs(local part, remote part, span)``: the byte runs of a head span
     inside one block, paired between the two layouts. Only the layers of the pull's KV-cache group
@@ -145,7 +151,9 @@ def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, p
     if use_arrays:
         from kv_mooncake.address_arrays import transfer_ranges_arrays
 
-        in_group = [li for li in range(len(cache.layer_names)) if cache.group_of(li) == pull.group]
+        wanted = set(cache.layer_names if layers is None else layers)
+        in_group = [li for li, name in enumerate(cache.layer_names)
+                    if name in wanted and cache.group_of(li) == pull.group]
         return transfer_ranges_arrays([cache.layer_names[li] for li in in_group],
                                       lambda i: cache.layer_parts(in_group[i]), hs.layer_names, rparts_by_layer,
                                       remote_ids, local_ids, pull, cache.kernel_blocks_per_block, paired_runs)
@@ -154,10 +162,11 @@ def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, p
     local: list[int] = []
     remote: list[int] = []
     lengths: list[int] = []
-    for li, name in enumerate(cache.layer_names):
+    local_index = {name: i for i, name in enumerate(cache.layer_names)}
+    for name in cache.layer_names if layers is None else layers:
+        li, ri = local_index[name], remote_index.get(name)
         if cache.group_of(li) != pull.group:
             continue
-        ri = remote_index.get(name)
         if ri is None:
             raise PullFailed(f"layer {name} missing on the prefill")
         lparts, rparts = cache.layer_parts(li), rparts_by_layer[ri]
@@ -192,6 +201,20 @@ def _have_numpy() -> bool:
     return importlib.util.find_spec("numpy") is not None
 
 
+def _stage_layers(job: _PullJob, pull: RankPull, hs: P.HandshakeReply, address: str) -> tuple[str, ...] | None:
+    """The layers to read from ``pull``'s pipeline stage (None: one stage, every layer), once the
+    stage's handshake shows it is that stage and holds exactly those layers, by name."""
+    if not job.stage_layers:
+        return None
+    stage = pull.source.pp_rank
+    if hs.pp_rank != stage:
+        raise PullFailed(f"{address} is pipeline stage {hs.pp_rank}, this decode pulls stage {stage} there")
+    problem = stage_layer_problem(job.stage_layers[stage], hs.layer_names, stage, job.partition)
+    if problem:
+        raise PullFailed(f"{address}: {problem}")
+    return job.stage_layers[stage]
+
+
 class DecodePuller:
     """One decode rank's pulls: plan, read with the TransferEngine, verify, report to vLLM."""
 
@@ -206,12 +229,14 @@ class DecodePuller:
         use_mla: bool,
         stats: TransferStatsBase,
         ledger: FailureLedger,
+        num_hidden_layers: int = 0,
     ):
         self.config = config
         self.reader_id = reader_id
         self.decode_rank, self.decode_layout = decode_rank, decode_layout
         self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
         self.stats, self.ledger = stats, ledger
+        self.num_hidden_layers = num_hidden_layers  # the model's, for a PP prefill's stage ranges
         self.messenger = PrefillMessenger(config, reader_id=reader_id, decode_rank=decode_rank)
         self._lock = threading.Lock()
         self._finished: set[str] = set()  # pulls finished since the last ``take_finished`` (finished_recving)
@@ -254,8 +279,8 @@ class DecodePuller:
 
     # ---- pulls -------------------------------------------------------------------------------
     def _layouts(self, source: RemoteSource) -> PrefillLayout:
-        return PrefillLayout(tp_size=source.tp_size, total_kv_heads=self.total_kv_heads,
-                             pcp_size=source.pcp_size, dcp_size=source.dcp_size, use_mla=self.use_mla)
+        return PrefillLayout(tp_size=source.tp_size, total_kv_heads=self.total_kv_heads, pcp_size=source.pcp_size,
+                             dcp_size=source.dcp_size, use_mla=self.use_mla, pp_size=source.pp_size)
 
     def _pull(self, req: PullRequest) -> None:
         """Plan the request's pulls (on the engine's thread: pure arithmetic), then read from every
@@ -269,6 +294,11 @@ class DecodePuller:
                 no_null_blocks(req, groups)
             job.counts = group_readers_per_prefill_rank(job.prefill, self.decode_layout, groups, seed)
             job.pulls = plan_group_pulls(job.prefill, self.decode_layout, self.decode_rank, groups, seed)
+            if req.source.pp_size > 1:
+                assert self.cache is not None
+                declared = self.config.prefill.pp_layer_partition if self.config.prefill is not None else None
+                job.partition, job.stage_layers = decode_stage_layers(
+                    self.cache.layer_names, self.num_hidden_layers, req.source.pp_size, declared)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
             job.errors.append(exc)
             job.unread.update((g, p) for g, blocks in enumerate(groups) for p in range(max(0, blocks.first), blocks.end))
@@ -369,6 +399,7 @@ class DecodePuller:
         req, deadline = job.req, job.deadline
         source = req.source
         hs = self.messenger.handshake(address, source.engine_id, deadline)
+        layers = _stage_layers(job, pulls[0], hs, address)
         remote_groups = source.group_block_ids()
         try:
             block_ids = sorted({remote_groups[pull.group][src_pos] for pull in pulls for src_pos, _ in pull.blocks})
@@ -385,17 +416,19 @@ class DecodePuller:
                 lease.answer()
                 time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             try:
-                return self._read_rank(job, pulls, address, read, hs, lease, block_ids)
+                return self._read_rank(job, pulls, address, read, hs, lease, block_ids, layers)
             except ReadBeforeLease:  # read again, now under the lease (with the handshake of its boot)
                 self.stats.incr("reads_redone")
                 read.clear()
                 hs = self.messenger.same_boot(address, source.engine_id, hs, lease.answer().boot_id, deadline)
-                return self._read_rank(job, pulls, address, read, hs, lease, block_ids)
+                layers = _stage_layers(job, pulls[0], hs, address)  # a new boot may hold other layers
+                return self._read_rank(job, pulls, address, read, hs, lease, block_ids, layers)
         finally:
             lease.close()
 
     def _read_rank(self, job: _PullJob, pulls: list[RankPull], address: str, read: set[tuple[int, int]],
-                   hs: P.HandshakeReply, lease: EarlyLease, block_ids: list[int]) -> int:
+                   hs: P.HandshakeReply, lease: EarlyLease, block_ids: list[int],
+                   layers: Sequence[str] | None) -> int:
         req, deadline = job.req, job.deadline
         renew_lease = self.messenger.lease_renewer(address, req.source.request_id, deadline)
         delay = self.config.debug_pull_chunk_delay_s
@@ -426,8 +459,8 @@ class DecodePuller:
             read.update((batches[i].group, dst) for _, dst in batches[i].blocks)
 
         lease.reading()
-        return int(self.te.read_batches(hs.te_address, (self._addresses(req, b, hs) for b in batches), deadline,
-                                        landed, on_retry=lambda _why: self.stats.incr("transfer_retries"),
+        return int(self.te.read_batches(hs.te_address, (self._addresses(req, b, hs, layers) for b in batches),
+                                        deadline, landed, on_retry=lambda _why: self.stats.incr("transfer_retries"),
                                         idle=lease.idle))
 
     def _paired_runs(self, lp: KVPart, rp: KVPart, span: Any) -> list[tuple[int, int, int]]:
@@ -445,9 +478,10 @@ class DecodePuller:
             self._run_cache[key] = runs
         return runs
 
-    def _addresses(self, req: PullRequest, pull: Any, hs: P.HandshakeReply) -> tuple[list[int], list[int], list[int]]:
+    def _addresses(self, req: PullRequest, pull: Any, hs: P.HandshakeReply,
+                   layers: Sequence[str] | None = None) -> tuple[list[int], list[int], list[int]]:
         assert self.cache is not None
-        return transfer_ranges(self.cache, hs, req, pull, self._paired_runs)
+        return transfer_ranges(self.cache, hs, req, pull, self._paired_runs, layers)
 
     def _expected_digests(self, reply: P.Ack, block_ids: list[int], hs: P.HandshakeReply,
                           address: str) -> dict[int, list[int]]:

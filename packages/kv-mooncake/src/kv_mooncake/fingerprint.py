@@ -40,11 +40,12 @@ def unsupported_settings(fp: dict[str, Any], *, is_consumer: bool) -> list[str]:
     """Why this instance's parallel layout cannot be served (empty: supported)."""
     problems = []
     pp = fp["pipeline_parallel_size"]
-    if pp > 1:
-        # Each stage holds a range of layers; side-channel ports and the plan address TP x PCP ranks
-        # of one stage only, so ranks of different stages would collide.
-        problems.append(f"pipeline_parallel_size={pp}: MooncakeConnectorV1 supports 1 (pipeline stages "
-                        "are not addressed by its side channel or pull plan)")
+    if pp > 1 and is_consumer:
+        # A prefill's stages each serve their own layers (pipeline_stages); a decode's stages would
+        # each need their own part of every pull. vllm-ascend requires decode PP 1 as well.
+        problems.append(f"pipeline_parallel_size={pp} on a kv_consumer: MooncakeConnectorV1 pulls into a "
+                        "decode with pipeline_parallel_size=1 only (a pipeline-parallel prefill is supported: "
+                        "run it with kv_role kv_producer)")
     dcp, pcp, block, interleave = fp["dcp_size"], fp["pcp_size"], fp["block_size"], fp["cp_kv_cache_interleave_size"]
     if dcp > 1 and interleave != block:
         # vLLM's default (1) spreads single tokens over the DCP ranks; the plan moves whole blocks.

@@ -19,6 +19,7 @@ class RemoteSource(msgspec.Struct, frozen=True, kw_only=True):
     pcp_size: int = 1
     dcp_size: int = 1
     block_ids_by_group: list[list[int]] = []  # with several KV-cache groups (HMA): each group's
+    pp_size: int = 1  # pipeline stages of the prefill (kv_mooncake.pipeline_stages)
 
     def group_block_ids(self) -> list[list[int]]:
         """The prefill's block ids of each KV-cache group."""

@@ -28,6 +28,7 @@ from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.delayed_free import DelayedFreeTracker, HeldBlocks
 from kv_mooncake.kv_digest import head_digests
 from kv_mooncake.local_cache import LocalCache, head_ranges
+from kv_mooncake.pipeline_stages import waive_stage_fields
 from kv_mooncake.pull_plan import PrefillLayout
 
 logger = get_logger(__name__)
@@ -49,10 +50,11 @@ class PrefillHolder:
     request is its one record in ``tracker``; here only what comes before a hold or outlives it."""
 
     def __init__(self, config: MooncakeConfig, *, engine_id: str, prefill_layout: PrefillLayout,
-                 stats: TransferStatsBase):
+                 stats: TransferStatsBase, pp_rank: int = 0):
         self.config = config
         self.engine_id = engine_id
         self.prefill_layout = prefill_layout
+        self.pp_rank = pp_rank  # this worker's pipeline stage
         self.stats = stats
         self._lock = threading.Lock()
         self._freed: set[str] = set()  # freed since the last ``take_freed`` (vLLM's finished_sending)
@@ -234,7 +236,7 @@ class PrefillHolder:
             return P.Refused(reason="KV cache not registered yet", retry=True)
         if message.engine_id != self.engine_id:
             return P.Refused(reason=f"engine id {message.engine_id!r} vs {self.engine_id!r} (prefill restarted?)")
-        diff = message.compatibility.differences(self.compatibility)
+        diff = waive_stage_fields(message.compatibility, self.compatibility).differences(self.compatibility)
         if diff:
             logger.warning("MooncakeConnectorV1: refusing reader %s: incompatible KV caches: %s",
                            message.reader_id, "; ".join(diff))
@@ -250,6 +252,7 @@ class PrefillHolder:
             heads_on_rank=cache.heads_on_rank,
             compatibility=self.compatibility,
             tp_size=layout.tp_size, pcp_size=layout.pcp_size, dcp_size=layout.dcp_size,
+            pp_size=layout.pp_size, pp_rank=self.pp_rank,
             kernel_blocks_per_block=cache.kernel_blocks_per_block,
             parts=[[P.PartInfo(base=p.base, shape=list(p.shape), strides=list(p.strides),
                                element_size=p.element_size, roles=list(p.roles))

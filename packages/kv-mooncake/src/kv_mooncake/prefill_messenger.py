@@ -26,6 +26,7 @@ from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.early_lease import EarlyLease
 from kv_mooncake.metadata import RemoteSource
 from kv_mooncake.peer_health import PeerBreaker, ReachabilityProbe
+from kv_mooncake.pipeline_stages import waive_stage_fields
 from kv_mooncake.pull_errors import PeerDown, PeerUnreachable, PullFailed
 from kv_mooncake.pull_plan import DecodeRank, PrefillLayout, PrefillRank, RankPull
 from kv_mooncake.side_channel_auth import auth_from_env
@@ -94,7 +95,8 @@ class PrefillMessenger:
                 len(reply.block_bytes) != len(reply.layer_names):
             raise PullFailed(f"malformed handshake reply from {address}")
         # Both sides compare: a prefill that skipped the check must not be read either.
-        diff = self.compatibility.differences(reply.compatibility)
+        # A pipeline stage's layers are checked by name instead (decode_puller, pipeline_stages).
+        diff = waive_stage_fields(self.compatibility, reply.compatibility).differences(reply.compatibility)
         if diff:
             raise PullFailed(f"handshake with {address}: incompatible KV caches: " + "; ".join(diff))
         with self._lock:

@@ -108,6 +108,10 @@ class HandshakeReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     tp_size: int = 0
     pcp_size: int = 0
     dcp_size: int = 0
+    # Its pipeline stage: the decode pulls from it exactly the layers the stage's range gives it, and
+    # checks ``layer_names`` against them (kv_mooncake.pipeline_stages). 0: a peer from before PP (1 stage).
+    pp_size: int = 0
+    pp_rank: int = 0
     kernel_blocks_per_block: int = 1
     parts: list[list[PartInfo]] = []  # per layer (same order as layer_names): its KV tensors
     # New at every start of the prefill worker, echoed by its Ack to PullStarted: a reader whose

@@ -19,6 +19,9 @@ so a run of heads inside one block is one contiguous byte range.
 * PCP (vLLM 0.32, without DCP): every PCP rank keeps a full replica of the KV (the slot mapping
   spreads tokens over the DCP group only); the source PCP rank is picked like a replica below.
   PCP together with DCP is refused.
+* Stages: a pipeline-parallel prefill has ``tp * pcp`` ranks per stage, each stage laid out like
+  the others over its own layers; every pull of the plan goes to each stage
+  (``kv_mooncake.pipeline_stages``: which layers, which ports).
 * Replicas: when several prefill ranks hold the same head and shard (GQA replicas, or MLA), the
   source is chosen from a seed both instances derive from the request id, so the prefill and every
   decode rank agree without talking, and the load spreads over the replicas.
@@ -33,6 +36,8 @@ from typing import NamedTuple
 
 from kv_common.kv_cache_groups import KVGroup, first_needed_block
 
+from kv_mooncake.pipeline_stages import for_each_stage
+
 NULL_BLOCK_ID = 0  # vLLM's null block (``BlockPool.null_block``): a placeholder every request shares
 
 
@@ -43,10 +48,12 @@ class PlanError(ValueError):
 class PrefillRank(NamedTuple):
     tp_rank: int
     pcp_rank: int = 0
+    pp_rank: int = 0  # pipeline stage (kv_mooncake.pipeline_stages)
 
     def index(self, layout: PrefillLayout) -> int:  # type: ignore[override]  # not tuple.index
-        """Offset of this rank's side-channel port from the instance's base port."""
-        return self.pcp_rank * layout.tp_size + self.tp_rank
+        """Offset of this rank's side-channel port from the instance's base port: its rank in vLLM's
+        (PP, PCP, TP) order, TP fastest."""
+        return (self.pp_rank * layout.pcp_size + self.pcp_rank) * layout.tp_size + self.tp_rank
 
 
 class DecodeRank(NamedTuple):
@@ -64,6 +71,7 @@ class PrefillLayout:
     dcp_size: int = 1
     dp_size: int = 1
     use_mla: bool = False
+    pp_size: int = 1  # stages: each holds its own layers, laid out like the others
 
     @property
     def cp_size(self) -> int:
@@ -72,10 +80,11 @@ class PrefillLayout:
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pcp_size
+        return self.tp_size * self.pcp_size * self.pp_size
 
     def ranks(self) -> list[PrefillRank]:
-        return [PrefillRank(t, p) for p in range(self.pcp_size) for t in range(self.tp_size)]
+        return [PrefillRank(t, p, s) for s in range(self.pp_size) for p in range(self.pcp_size)
+                for t in range(self.tp_size)]
 
     def shard_of(self, rank: PrefillRank) -> int:
         return rank.tp_rank % self.dcp_size
@@ -193,6 +202,7 @@ def _validate_dcp(side: str, tp: int, dcp: int, heads: int, use_mla: bool) -> No
 
 def validate(prefill: PrefillLayout, decode: DecodeLayout) -> None:
     for name, value in (("prefill tp", prefill.tp_size), ("prefill pcp", prefill.pcp_size),
+                        ("prefill pp", prefill.pp_size),
                         ("prefill dcp", prefill.dcp_size), ("decode tp", decode.tp_size),
                         ("decode dcp", decode.dcp_size)):
         if value < 1:
@@ -237,7 +247,7 @@ def plan_pulls(
         for src_tp in sorted(spans):
             pulls.append(RankPull(PrefillRank(src_tp, pcp_rank), tuple(spans[src_tp]),
                                   tuple(blocks_by_shard[shard])))
-    return pulls
+    return for_each_stage(pulls, prefill.pp_size)  # every stage: the same blocks and heads, its own layers
 
 
 def plans_per_group(groups: Sequence[KVGroup]) -> bool:
@@ -273,7 +283,7 @@ def plan_group_pulls(
     do not depend on the group; only which positions of the group's block lists move."""
     pulls = [replace(pull, group=g) for g, blocks in enumerate(groups)
              for pull in plan_pulls(prefill, decode, rank, blocks.end, blocks.first, seed)]
-    return sorted(pulls, key=lambda pull: (pull.source.pcp_rank, pull.source.tp_rank, pull.group))
+    return sorted(pulls, key=lambda pull: (pull.source.pp_rank, pull.source.pcp_rank, pull.source.tp_rank, pull.group))
 
 
 def group_readers_per_prefill_rank(

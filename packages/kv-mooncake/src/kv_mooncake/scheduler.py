@@ -62,6 +62,7 @@ class MooncakeScheduler:
         pcp_size: int = 1,
         dcp_size: int = 1,
         groups: tuple[KVGroup, ...] = (),
+        pp_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
@@ -71,12 +72,13 @@ class MooncakeScheduler:
         self.side_channel_port = side_channel_port
         # What the decode is told to reach this prefill at: asked once (vLLM's helper may look up routes).
         self.advertised_host = config.advertised_host() if is_producer else ""
-        self.tp_size, self.pcp_size, self.dcp_size = tp_size, pcp_size, dcp_size
+        self.tp_size, self.pcp_size, self.dcp_size, self.pp_size = tp_size, pcp_size, dcp_size, pp_size
         # vLLM's KV-cache groups (local_cache.check_kv_cache_groups); several with its hybrid manager.
         self.groups = groups
-        if is_producer and tp_size * pcp_size > MAX_PREFILL_RANKS:  # no decode would accept its answers
+        if is_producer and tp_size * pcp_size * pp_size > MAX_PREFILL_RANKS:  # no decode would accept its answers
             raise ValueError(f"MooncakeConnectorV1: a prefill of tensor_parallel_size {tp_size} x "
-                             f"prefill_context_parallel_size {pcp_size} ranks; decodes accept at most "
+                             f"prefill_context_parallel_size {pcp_size} x pipeline_parallel_size {pp_size} "
+                             f"ranks; decodes accept at most "
                              f"{MAX_PREFILL_RANKS} (kv_mooncake.transfer_params.MAX_PREFILL_RANKS)")
         # decode: requests with do_remote_prefill, parsed once (vLLM asks again every step until one fits)
         self._incoming: dict[str, _Incoming] = {}
@@ -112,7 +114,8 @@ class MooncakeScheduler:
         params = self._remote_prefill(request)
         if params is None:
             return 0, False
-        contradiction = peer_layout_contradiction(self.config, remote_tp_size=params.tp_size)
+        contradiction = peer_layout_contradiction(self.config, remote_tp_size=params.tp_size,
+                                                  remote_pp_size=params.pp_size)
         if contradiction:
             self._refuse_declared_layout(request, params, contradiction)
             return 0, False
@@ -229,6 +232,7 @@ class MooncakeScheduler:
             tp_size=self.tp_size,
             pcp_size=self.pcp_size,
             dcp_size=self.dcp_size,
+            pp_size=self.pp_size,
             prompt_digest=digest,
         ).to_dict()
 

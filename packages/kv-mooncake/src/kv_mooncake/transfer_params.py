@@ -38,8 +38,9 @@ from kv_mooncake.pull_plan import NULL_BLOCK_ID, group_blocks_to_pull, plans_per
 
 logger = get_logger(__name__)
 
-MAX_PARALLEL_SIZE = 256  # remote_tp_size / remote_pcp_size / remote_dcp_size
-MAX_PREFILL_RANKS = 256  # remote_tp_size * remote_pcp_size: one side-channel port and message per rank
+MAX_PARALLEL_SIZE = 256  # remote_tp_size / remote_pcp_size / remote_dcp_size / remote_pp_size
+# remote_tp_size * remote_pcp_size * remote_pp_size: one side-channel port and message per rank
+MAX_PREFILL_RANKS = 256
 MAX_ID_CHARS = 4096  # remote_engine_id, remote_request_id (a request id carries the client's X-Request-Id)
 MAX_HOST_CHARS = 255
 MAX_BLOCK_ID = 2**31 - 1
@@ -60,7 +61,7 @@ _Digest = Annotated[str, msgspec.Meta(max_length=128)]
 
 _ADDRESS_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id")
 # Without any of these the prefill's ranks are unknown: nobody is told to free (the hold expires).
-_RANKS_KEYS = (*_ADDRESS_KEYS, "remote_tp_size", "remote_pcp_size")
+_RANKS_KEYS = (*_ADDRESS_KEYS, "remote_tp_size", "remote_pcp_size", "remote_pp_size")
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 40
 _SHORT.maxlist = _SHORT.maxdict = 4
@@ -78,16 +79,17 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     tp_size: _Size = msgspec.field(default=1, name="remote_tp_size")
     pcp_size: _Size = msgspec.field(default=1, name="remote_pcp_size")
     dcp_size: _Size = msgspec.field(default=1, name="remote_dcp_size")
+    pp_size: _Size = msgspec.field(default=1, name="remote_pp_size")  # pipeline stages (pipeline_stages)
     prompt_digest: _Digest | None = None  # kv_mooncake.prompt_identity: the prompt the KV was computed for
     hold_timeout_s: float | None = None  # client -> prefill: shorten (never extend) the hold
 
     def __post_init__(self) -> None:
         """What one key cannot say alone. Runs on every parse (msgspec reports it as a
         ValidationError) and on the prefill's own answer."""
-        ranks = self.tp_size * self.pcp_size
+        ranks = self.tp_size * self.pcp_size * self.pp_size
         if ranks > MAX_PREFILL_RANKS:
-            raise ValueError(f"remote_tp_size {self.tp_size} x remote_pcp_size {self.pcp_size} = {ranks} "
-                             f"prefill ranks, at most {MAX_PREFILL_RANKS}")
+            raise ValueError(f"remote_tp_size {self.tp_size} x remote_pcp_size {self.pcp_size} x remote_pp_size "
+                             f"{self.pp_size} = {ranks} prefill ranks, at most {MAX_PREFILL_RANKS}")
         if self.port is not None and self.port + ranks - 1 > 65535:
             raise ValueError(f"remote_port {self.port} + {ranks} prefill ranks runs past port 65535")
         if self.dcp_size > self.tp_size:
@@ -120,15 +122,18 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         groups = self.group_block_ids()
         return RemoteSource(engine_id=self.engine_id, host=self.host, port=self.port, request_id=self.request_id,
                             block_ids=groups[0], tp_size=self.tp_size, pcp_size=self.pcp_size,
-                            dcp_size=self.dcp_size, block_ids_by_group=groups if len(groups) > 1 else [])
+                            dcp_size=self.dcp_size, block_ids_by_group=groups if len(groups) > 1 else [],
+                            pp_size=self.pp_size)
 
     def prefill_addresses(self) -> list[str] | None:
         """Side-channel address of every rank of the prefill instance; None when the params name no
-        prefill request (e.g. another connector's). Rank (tp, pcp) listens on base + pcp * tp_size + tp
-        (``PrefillRank.index``): the ranks cover base .. base + tp_size * pcp_size - 1."""
+        prefill request (e.g. another connector's). Rank (tp, pcp, pp) listens on
+        base + (pp * pcp_size + pcp) * tp_size + tp (``PrefillRank.index``): the ranks cover
+        base .. base + tp_size * pcp_size * pp_size - 1."""
         if not (self.host and self.port and self.port > 0 and self.request_id):
             return None
-        return [f"{self.host}:{self.port + offset}" for offset in range(max(self.tp_size, 1) * max(self.pcp_size, 1))]
+        ranks = max(self.tp_size, 1) * max(self.pcp_size, 1) * max(self.pp_size, 1)
+        return [f"{self.host}:{self.port + offset}" for offset in range(ranks)]
 
 
 class ReadParams(NamedTuple):

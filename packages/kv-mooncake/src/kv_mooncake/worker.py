@@ -31,6 +31,7 @@ from kv_mooncake.decode_puller import PULL_BATCH_BLOCKS, DecodePuller, PeerDown,
 from kv_mooncake.fingerprint import group_layouts
 from kv_mooncake.local_cache import LocalCache, check_kv_cache_groups, describe_kv_caches
 from kv_mooncake.metadata import MooncakeStep
+from kv_mooncake.pipeline_stages import own_stage_problem
 from kv_mooncake.prefill_holder import PrefillHolder
 from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
 from kv_mooncake.side_channel_auth import SideChannelAuth, auth_from_env
@@ -59,6 +60,8 @@ class MooncakeWorker:
         compatibility_base: dict[str, Any] | None = None,
         kv_groups: tuple[KVGroup, ...] = (),
         engine_factory: Callable[..., Any] | None = None,
+        layer_partition: tuple[int, ...] | None = None,
+        num_hidden_layers: int = 0,
     ):
         self.config = config
         self.engine_id = engine_id
@@ -72,13 +75,15 @@ class MooncakeWorker:
         self.kv_groups = kv_groups
         self._engine_factory = engine_factory
         self.reader_id = f"{engine_id}:{decode_rank.tp_rank}"
+        self.layer_partition = layer_partition  # a PP prefill's layers per stage (pipeline_stages)
 
         self.stats = TransferStatsBase()
         self.ledger = FailureLedger()
-        self.holder = PrefillHolder(config, engine_id=engine_id, prefill_layout=self.prefill_layout, stats=self.stats)
+        self.holder = PrefillHolder(config, engine_id=engine_id, prefill_layout=self.prefill_layout, stats=self.stats,
+                                    pp_rank=prefill_rank.pp_rank)
         self.puller = DecodePuller(config, reader_id=self.reader_id, decode_rank=decode_rank,
                                    decode_layout=decode_layout, total_kv_heads=total_kv_heads, use_mla=use_mla,
-                                   stats=self.stats, ledger=self.ledger)
+                                   stats=self.stats, ledger=self.ledger, num_hidden_layers=num_hidden_layers)
 
         self.cache: LocalCache | None = None
         self.compatibility: P.Compatibility | None = None
@@ -101,6 +106,12 @@ class MooncakeWorker:
         """Register raw regions (tests and benchmarks use this without torch)."""
         if self.kv_groups:
             cache.layer_groups = layer_groups(cache.layer_names, self.kv_groups)
+        if self.is_producer and self.layer_partition is not None:
+            # Every decode expects this stage's layers by the partition: a stage that holds others
+            # would have each pull refused, so it does not start.
+            problem = own_stage_problem(cache.layer_names, self.prefill_rank.pp_rank, self.layer_partition)
+            if problem:
+                raise ValueError(f"MooncakeConnectorV1: {problem}")
         self.cache = cache
         base = self._compat_base
         self.compatibility = P.Compatibility(
