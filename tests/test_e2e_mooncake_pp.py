@@ -24,9 +24,10 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
+from conftest import running_engines  # noqa: E402
 from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
-from test_e2e_mooncake import _assert_clean, _forward, _prefill, _prompts, _running  # noqa: E402
+from test_e2e_mooncake import _assert_clean, _forward, _prefill, _prompts  # noqa: E402
 
 # Its bounds, generous on purpose: this test is about stages, not deadlines.
 from test_e2e_mooncake_tp import CLEAN_TIMEOUT_S, ENGINE_KWARGS, PULL_TIMEOUT_S  # noqa: E402
@@ -57,7 +58,7 @@ def engines():
                                                              decode={"pp_size": 1}),
                            name="pp1", **common),
     }
-    with _running(list(engs.values())):
+    with running_engines(list(engs.values())):
         yield engs
 
 

@@ -23,9 +23,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
+from conftest import running_engines  # noqa: E402  (parallel start and stop of the engines)
 from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
-from test_e2e_mooncake import _running  # noqa: E402  (parallel start and stop of the engines)
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -98,7 +98,7 @@ def engines():
         "n": EngineProcess(model, kv_transfer_config=_config("kv_consumer", N_PORT, "recompute", False),
                            name="n", **common),
     }
-    with _running(list(engs.values())):
+    with running_engines(list(engs.values())):
         yield engs
 
 

@@ -22,9 +22,10 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
+from conftest import running_engines  # noqa: E402
 from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
-from test_e2e_mooncake import _assert_clean, _forward, _prefill, _prompts, _running, _wait_held  # noqa: E402
+from test_e2e_mooncake import _assert_clean, _forward, _prefill, _prompts, _wait_held  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -65,7 +66,7 @@ def engines():
                            **common),
         "s": EngineProcess(model, kv_transfer_config=_config(S_PORT), name="tp1", **common),
     }
-    with _running(list(engs.values())):
+    with running_engines(list(engs.values())):
         yield engs
 
 

@@ -13,9 +13,10 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
+from conftest import running_engines  # noqa: E402
 from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
-from test_e2e_mooncake import _assert_clean, _forward, _prefill, _prompts, _running, _wait_held  # noqa: E402
+from test_e2e_mooncake import _assert_clean, _forward, _prefill, _prompts, _wait_held  # noqa: E402
 from test_e2e_mooncake_tp import (  # noqa: E402
     CLEAN_TIMEOUT_S,
     HOLD_TIMEOUT_S,
@@ -44,7 +45,7 @@ def test_replicated_head_reads_one_replica_and_the_idle_rank_is_told_to_free():
                       **common)
     d = EngineProcess(model, kv_transfer_config={**_config(base + 100), "kv_role": "kv_consumer"},
                       name="mqa-tp1", **common)
-    with _running([p, d]):
+    with running_engines([p, d]):
         prompts = _prompts(6, seed=13)
         reference = d.generate(prompts)
         params = _prefill(p, prompts)
