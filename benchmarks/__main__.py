@@ -35,6 +35,7 @@ ORDER = [
     "bench_producer_hold",
     "bench_ttft",
     "bench_proxy",
+    "bench_pd_goodput",
     "bench_ucm",
     "bench_ucm_store",
 ]
