@@ -223,23 +223,25 @@ def _plot(fig: dict[tuple[str, float], dict], rates: list[float], slo: tuple[flo
     import matplotlib.pyplot as plt
 
     f, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for setup, style in zip(SETUPS, ("-o", "-s"), strict=True):
+    for setup, style, color in zip(SETUPS, ("-o", "-s"), ("C0", "C1"), strict=True):
         xs = [r for r in rates if (setup, r) in fig]
         for ax, key, label in ((axes[0], "ttft", "TTFT"), (axes[1], "itl", "ITL")):
             for q, ls in (("50", style), ("99", style.replace("-", "--"))):
                 v = [fig[(setup, r)][f"{key}{q}"] for r in xs]
                 ax.errorbar(xs, [x[0] for x in v], yerr=[[x[0] - x[1] for x in v], [x[2] - x[0] for x in v]],
-                            fmt=ls, capsize=3, label=f"{setup} p{q}")
+                            fmt=ls, color=color, capsize=3, label=f"{setup} p{q}")
                 ax.set_ylabel(f"{label} (ms; 95 % bootstrap interval)")
         gp = [fig[(setup, r)] for r in xs]
         axes[2].errorbar(xs, [g["goodput"] for g in gp],
                          yerr=[[g["goodput"] - g["goodput_range"][0] for g in gp],
-                               [g["goodput_range"][1] - g["goodput"] for g in gp]], fmt=style, capsize=3, label=setup)
+                               [g["goodput_range"][1] - g["goodput"] for g in gp]], fmt=style, color=color, capsize=3,
+                         label=setup)
     axes[0].axhline(slo[0] * 1e3, color="r", linestyle=":", label="TTFT SLO")
     axes[2].plot(rates, rates, ":", color="grey", label="offered")
-    axes[2].set_ylabel("goodput (req/s meeting the SLO; range over repeats)")
+    axes[2].set_ylabel("req/s meeting the SLO (range over repeats)")
     for ax, title in zip(axes, ("Time to first token", "Inter-token latency", "Goodput"), strict=True):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
