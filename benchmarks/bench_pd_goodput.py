@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,8 +80,10 @@ class Point:
 
 # ---------------------------------------------------------------- servers
 def _server(model: str, port: int, cores: str, omp_bind: str, kv_config: dict | None) -> str:
+    """An OpenAI server's command: every thread on ``cores`` (taskset), OpenMP bound to ``omp_bind``."""
     kv = f" --kv-transfer-config '{json.dumps(kv_config)}'" if kv_config else ""
-    return (f"VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND={omp_bind} exec taskset -c {cores} "
+    pin = f"taskset -c {cores} " if shutil.which("taskset") else ""
+    return (f"VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND={omp_bind} exec {pin}"
             f"python -m vllm.entrypoints.openai.api_server --model {model} --port {port} --enforce-eager "
             f"--dtype float32 --max-model-len {MAX_MODEL_LEN}{kv}")
 
