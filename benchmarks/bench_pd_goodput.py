@@ -16,7 +16,7 @@ every (setup, rate) repeated with a different seed, the same seeds (prompts) for
 per-request figures: TTFT and ITL p50 / p99 (95 % bootstrap intervals over the pooled requests) and
 goodput, the requests per second that met the SLO (TTFT and TPOT both within it; mean and range
 over the repeats). The SLO is stated from this run: a multiple of the colocated instance's own
-latency at the lowest rate.
+best p50 latency over the rates.
 
 ``python -m benchmarks --only bench_pd_goodput [--quick]``
 """
@@ -40,8 +40,9 @@ from benchmarks.report import ROOT, Claim, Section, bootstrap_ci, median, quanti
 MODEL = random_llama(num_layers=4, max_position_embeddings=4096, seed=1234)
 INPUT_LEN, OUTPUT_LEN = 1024, 32
 MAX_MODEL_LEN = 2048
-# SLO from the colocated instance at the lowest rate (p50): generous enough that an idle instance
-# meets it easily, tight enough that queueing behind prefills breaks it.
+# SLO from the colocated instance at its best (lowest p50 over the rates): generous enough that an
+# idle instance meets it easily, tight enough that queueing behind prefills breaks it. Its best, not
+# its lowest rate: on a shared machine one stalled run would otherwise set an SLO nothing misses.
 SLO_TTFT_TIMES, SLO_TPOT_TIMES = 3.0, 2.0
 SETUPS = ("colocated", "1P1D")
 
@@ -151,9 +152,10 @@ def _fmt(v: tuple[float, float, float]) -> str:
 
 
 def slo_from(points: list[Point]) -> tuple[float, float]:
-    """(TTFT, TPOT) SLO in seconds: multiples of the colocated instance's p50 at its lowest rate."""
-    base = min((p for p in points if p.setup == "colocated" and p.pooled("ttfts")), key=lambda p: p.rate)
-    return SLO_TTFT_TIMES * median(base.pooled("ttfts")), SLO_TPOT_TIMES * median(base.pooled("tpots"))
+    """(TTFT, TPOT) SLO in seconds: multiples of the colocated instance's lowest p50 over the rates."""
+    base = [p for p in points if p.setup == "colocated" and p.pooled("ttfts")]
+    return (SLO_TTFT_TIMES * min(median(p.pooled("ttfts")) for p in base),
+            SLO_TPOT_TIMES * min(median(p.pooled("tpots")) for p in base))
 
 
 def figures(points: list[Point], slo: tuple[float, float]) -> dict[tuple[str, float], dict]:
@@ -310,8 +312,8 @@ def run(quick: bool) -> Section:
     ))
     section.plots.append(_plot(fig, rates, slo))
     section.notes += [
-        f"SLO of this run: TTFT <= {slo[0] * 1e3:.0f} ms ({SLO_TTFT_TIMES:g} x the colocated p50 at "
-        f"{min(rates):g} req/s) and TPOT <= {slo[1] * 1e3:.1f} ms ({SLO_TPOT_TIMES:g} x its p50); TPOT = "
+        f"SLO of this run: TTFT <= {slo[0] * 1e3:.0f} ms ({SLO_TTFT_TIMES:g} x the colocated instance's lowest "
+        f"p50 over the rates) and TPOT <= {slo[1] * 1e3:.1f} ms ({SLO_TPOT_TIMES:g} x its lowest p50); TPOT = "
         "(latency - TTFT) / (output tokens - 1) per request, vLLM's definition",
         "the setups run one after the other (each keeps its servers for the whole sweep), so a change in the "
         "machine's load between them shows as a difference: read the run line's load figures",
