@@ -190,12 +190,12 @@ def side_by_side(what: str, ours: str, ours_v: tuple[float, float, float], peer:
     """Ours against vLLM's own connector on one figure (lower is better), each as (value, low,
     high): ahead (met) or behind (missed) only when the intervals do not overlap, else unresolved."""
     if peer_v is None or math.isnan(peer_v[0]):
-        return Claim(f"{what}: {ours} against vLLM's {peer}: {peer}: {peer_missing}")
+        return Claim(f"{what}: {ours} against {peer}: {peer} {peer_missing}")
 
     def shown(v: tuple[float, float, float]) -> str:
-        return f"{v[0]:{fmt}}{unit} ({interval} {v[1]:{fmt}}-{v[2]:{fmt}})"
+        return f"{v[0]:{fmt}}{unit} ({interval} {v[1]:{fmt}} to {v[2]:{fmt}})"
 
-    text = f"{what}: {ours} {shown(ours_v)} against vLLM's {peer} {shown(peer_v)}"
+    text = f"{what}: {ours} {shown(ours_v)} against {peer} {shown(peer_v)}"
     if ours_v[2] < peer_v[1]:
         return Claim(f"{text}: ours ahead by {peer_v[0] - ours_v[0]:{fmt}}{unit}", True)
     if ours_v[1] > peer_v[2]:
