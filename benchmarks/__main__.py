@@ -35,6 +35,7 @@ ORDER = [
     "bench_producer_hold",
     "bench_ttft",
     "bench_proxy",
+    "bench_pd_goodput",
     "bench_ucm",
     "bench_ucm_store",
 ]
@@ -134,7 +135,9 @@ def skeleton(head: str) -> str:
         "Targets: P2P pull >= 0.9 of the best raw TransferEngine use for pulls of 1 MiB and up, fixed",
         "cost per pull <= 0.3 ms; store put / get >= 0.9 of the raw backend with integrity on; no-hit",
         "overhead <= 2 % with an interval that resolves it; TTFT with a hit <= 0.3 of recompute at 4k",
-        "tokens; P2P TTFT no worse than recompute when P and D have their own cores.",
+        "tokens; P2P TTFT no worse than recompute when P and D have their own cores. vLLM's own Mooncake",
+        "connectors run beside ours where they start here; the P/D goodput section says where 1P1D wins and",
+        "loses against one colocated instance on the same cores (a finding, not a target).",
         "",
         SUMMARY_END,
         "",
@@ -148,6 +151,17 @@ def splice(doc: str, kind: str, name: str, block: str, end_marker: str) -> str:
     if pat.search(doc):
         return pat.sub(lambda _m: block + "\n", doc, count=1)
     return doc.replace(end_marker, block + "\n" + end_marker, 1)
+
+
+def write_report(output: str, base_doc: str, head: str, sections: list[tuple[str, Section]]) -> None:
+    """``sections`` spliced into ``base_doc`` (the existing report of a partial run, else empty: a
+    new skeleton under ``head``), written to ``output``."""
+    doc = base_doc if SUMMARY_END in base_doc and SECTIONS_END in base_doc else skeleton(head)
+    for name, s in sections:
+        doc = splice(doc, "summary", name, summary_block(name, s), SUMMARY_END)
+        doc = splice(doc, "section", name, section_block(name, s), SECTIONS_END)
+    with open(output, "w") as fh:
+        fh.write(re.sub(r"\n{3,}", "\n\n", doc))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +188,22 @@ def main(argv: list[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     command = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
     whole_run = run_line(mode, command.strip(), float("nan"), float("nan"), args.load_note).split("; load")[0]
+    partial = bool(args.only) or args.append
+    base_doc = ""
+    if partial and os.path.exists(args.output):
+        with open(args.output) as fh:
+            base_doc = fh.read()
+    if partial:
+        head = "This file holds only sections re-run alone; run `python -m benchmarks` for the whole report."
+    else:
+        head = "Whole report: " + whole_run.replace("Run ", "run started ", 1) + "."
+        if args.quick:
+            head += (
+                "\n\n> **Quick mode**: fewer sizes, repetitions and requests than the full run; read the "
+                "spreads, not just the medians, and each section's run line for the machine's load. A quick "
+                "run shows that the benchmarks run and roughly where the targets stand; the figures to "
+                "quote come from a full-mode run (`nox -s bench`) on a quiet machine."
+            )
     sections: list[tuple[str, Section]] = []
     for name in names:
         started, load_before = time.monotonic(), load_average()
@@ -192,30 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         section.notes.append(f"took {time.monotonic() - started:.0f} s")
         section.run_line = run_line(mode, command.strip(), load_before, load_average(), args.load_note, started_at)
         sections.append((name, section))
+        # Written after every section: a run stopped part-way (a stalled VM, a deadline) keeps the
+        # sections it finished.
+        write_report(args.output, base_doc, head, sections)
 
-    partial = bool(args.only) or args.append
-    doc = ""
-    if partial and os.path.exists(args.output):
-        with open(args.output) as fh:
-            doc = fh.read()
-    if SUMMARY_END not in doc or SECTIONS_END not in doc:
-        if partial:
-            head = "This file holds only sections re-run alone; run `python -m benchmarks` for the whole report."
-        else:
-            head = "Whole report: " + whole_run.replace("Run ", "run started ", 1) + "."
-            if args.quick:
-                head += (
-                    "\n\n> **Quick mode**: fewer sizes, repetitions and requests than the full run; read the "
-                    "spreads, not just the medians, and each section's run line for the machine's load. A quick "
-                    "run shows that the benchmarks run and roughly where the targets stand; the figures to "
-                    "quote come from a full-mode run (`nox -s bench`) on a quiet machine."
-                )
-        doc = skeleton(head)
-    for name, s in sections:
-        doc = splice(doc, "summary", name, summary_block(name, s), SUMMARY_END)
-        doc = splice(doc, "section", name, section_block(name, s), SECTIONS_END)
-    with open(args.output, "w") as fh:
-        fh.write(re.sub(r"\n{3,}", "\n\n", doc))
     print(f"wrote {args.output}")
     return 0
 

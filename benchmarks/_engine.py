@@ -32,6 +32,7 @@ from benchmarks.report import ROOT, progress
 __all__ = [
     "OUR_CONNECTORS",
     "ROW_CONNECTOR",
+    "VLLM_PEER",
     "BenchEngine",
     "MooncakeMaster",
     "connector_configs",
@@ -269,7 +270,8 @@ def connector_configs(
             "kv_connector": "MooncakeConnector",
             "kv_role": role,
             "kv_port": port,
-            "kv_connector_extra_config": {},
+            # Its default transport is RDMA; this machine has loopback TCP only.
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
         }
     elif name == "vLLM ExampleConnector":
         cfg = {
@@ -292,6 +294,13 @@ ROW_CONNECTOR = {
     "vLLM MooncakeStoreConnector": "MooncakeStoreConnector",
     "vLLM MooncakeConnector": "MooncakeConnector",
     "vLLM ExampleConnector": "ExampleConnector",
+}
+
+# Our rows and vLLM's own connector doing the same job over the same engine (Mooncake store, Mooncake
+# P2P): the pairs the sections compare side by side.
+VLLM_PEER = {
+    "kv-store mooncake": "vLLM MooncakeStoreConnector",
+    "kv-mooncake P2P": "vLLM MooncakeConnector",
 }
 
 # Our three packages' connectors (the rows first checked with :func:`importable`).

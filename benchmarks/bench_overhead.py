@@ -24,6 +24,7 @@ import time
 
 from benchmarks._engine import (
     ROW_CONNECTOR,
+    VLLM_PEER,
     BenchEngine,
     MooncakeMaster,
     connector_configs,
@@ -42,6 +43,7 @@ from benchmarks.report import (
     median,
     progress,
     save_plot,
+    side_by_side,
     slope_ci,
     table,
 )
@@ -53,7 +55,8 @@ MAX_NUM_SEQS = 32
 PROMPT_LEN = (64, 320)
 ROWS = ["no connector", *ROW_CONNECTOR, "no connector (again)"]
 # Quick mode: fewer engines at once on a shared machine (the peers that fail here are left out).
-QUICK_ROWS = ["no connector", "kv-store embedded", "kv-store mooncake", "kv-mooncake P2P", "no connector (again)"]
+QUICK_ROWS = ["no connector", "kv-store embedded", "kv-store mooncake", "vLLM MooncakeStoreConnector", "kv-mooncake P2P",
+              "no connector (again)"]
 
 
 class PromptSource:
@@ -286,6 +289,17 @@ def run(quick: bool) -> Section:
         if not resolved:
             c = Claim(c.text + "; the interval is wider than +-2 %: this run cannot resolve the 2 % target", False)
         claims.append(c)
+    def over(row: str) -> tuple[float, float, float] | None:
+        """Overhead in % of the no-connector step, with its 95 % CI."""
+        rr = per_round(results[row], base, "step_ms") if row in results and base else []
+        lo, hi = bootstrap_ci(rr)
+        return (100 * (median(rr) - 1), 100 * (lo - 1), 100 * (hi - 1)) if rr else None
+
+    for ours, peer in VLLM_PEER.items():
+        if ours in results and peer in rows_wanted and base:
+            claims.append(side_by_side("step time overhead with no hits, side by side", ours,
+                                       over(ours) or (float("nan"),) * 3, peer, over(peer),
+                                       interval="95 % CI", fmt="+.1f", unit=" %"))
     if base:
         step = median(base.step_ms)
         claims.insert(0, against_target("engine step of the no-connector baseline (a step large enough that "

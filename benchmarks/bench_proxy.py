@@ -92,15 +92,21 @@ class _Cluster:
                 raise RuntimeError(f"port {port} not healthy; logs in {self.logs}")
             time.sleep(1)
 
-    def __enter__(self) -> _Cluster:
-        self.start("prefill", _server_command("kv_producer", PREFILL_PORT, PREFILL_KV, "0"))
-        self.start("decode", _server_command("kv_consumer", DECODE_PORT, DECODE_KV, "1"))
+    def start_1p1d(self, prefill: tuple[int, str], decode: tuple[int, str], proxy_port: int) -> None:
+        """Start the prefill and decode servers ((HTTP port, command) each), wait until both are
+        healthy, then ``kv-mooncake-proxy`` on ``proxy_port`` in front of them."""
+        self.start("prefill", prefill[1])
+        self.start("decode", decode[1])
         deadline = time.monotonic() + START_TIMEOUT_S
-        self.wait(PREFILL_PORT, deadline)
-        self.wait(DECODE_PORT, deadline)
-        self.start("proxy", f"kv-mooncake-proxy --port {PROXY_PORT} --prefill http://127.0.0.1:{PREFILL_PORT} "
-                            f"--decode http://127.0.0.1:{DECODE_PORT} --log-level warning")
-        self.wait(PROXY_PORT, time.monotonic() + 60)
+        self.wait(prefill[0], deadline)
+        self.wait(decode[0], deadline)
+        self.start("proxy", f"kv-mooncake-proxy --port {proxy_port} --prefill http://127.0.0.1:{prefill[0]} "
+                            f"--decode http://127.0.0.1:{decode[0]} --log-level warning")
+        self.wait(proxy_port, time.monotonic() + 60)
+
+    def __enter__(self) -> _Cluster:
+        self.start_1p1d((PREFILL_PORT, _server_command("kv_producer", PREFILL_PORT, PREFILL_KV, "0")),
+                        (DECODE_PORT, _server_command("kv_consumer", DECODE_PORT, DECODE_KV, "1")), PROXY_PORT)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,9 +7,12 @@ model runner drives it: ``start_step`` with N pulls at once, ``get_finished`` po
 are reported. Per request: latency from ``start_step`` to its report; per round: throughput. Every
 destination block is checked byte for byte after each round.
 
-In the same round the decode's own TransferEngine reads the very same remote blocks raw, two ways:
-one synchronous batch per prefill (all N requests' blocks, chunked at 512) and one asynchronous
-batch per request submitted at once then awaited; the faster is the "best raw TE" of that round.
+In the same round the decode's own TransferEngine reads the very same remote blocks raw, three ways:
+synchronous batches per prefill (all N requests' blocks, chunked at 512), one asynchronous batch per
+request submitted at once then awaited (both spin on Mooncake's status calls), and per prefill the
+reader that sleeps until a call is due before asking (no spinning wait); the fastest is the "best raw
+TE" of that round. The raw reads run on a thread and are seen by the same poll (``POLL_S`` of
+``bench_mooncake``) as the connector's ``get_finished``.
 
 ``run(quick)`` returns the report's section; ``measure_all(rounds)`` one dict per (prefills, in
 flight), which ``write_rows(rows, path)`` writes as a Markdown table. Run alone: ``python -m benchmarks.bench_pull_concurrency [--quick]``.
@@ -26,6 +29,8 @@ from pathlib import Path
 from kv_common.testing.ports import free_port
 
 from benchmarks._te_peer import PeerProcess
+from benchmarks.bench_mooncake import POLL_S, raw_on_thread
+from benchmarks.bench_transfer_raw import read_blocks
 
 KIB = 1 << 10
 BLOCK_BYTES = 64 * KIB  # per layer
@@ -34,6 +39,7 @@ HEADS = 4
 BLOCKS_PER_REQUEST = 8  # 2 MiB per request
 IN_FLIGHT = (1, 4, 16)
 PREFILLS = (1, 2)
+SLEEPING = "async 4x256, sleep"  # the raw method that sleeps before asking (bench_transfer_raw)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -110,7 +116,10 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def _raw_reads(engine, prefills, plan, local_bases) -> float:
-    """Best raw TE time for the same reads: one sync batch per prefill vs one async batch per request."""
+    """Best raw TE time for the same reads: sync 512-block batches per prefill, one async batch per
+    request (both spin on Mooncake's status calls), or per prefill the sleeping reader of
+    ``bench_transfer_raw`` (no spinning wait). Each runs on a thread of its own, seen by the same
+    poll as the connector's get_finished."""
     per_peer: dict[int, tuple[list[int], list[int]]] = {}
     per_request: list[tuple[int, list[int], list[int]]] = []
     for p, remote_ids, local_ids in plan:
@@ -123,18 +132,19 @@ def _raw_reads(engine, prefills, plan, local_bases) -> float:
         acc = per_peer.setdefault(p, ([], []))
         acc[0].extend(loc)
         acc[1].extend(rem)
-    t0 = time.perf_counter()
-    for p, (loc, rem) in per_peer.items():
-        for s in range(0, len(loc), 512):
-            rc = engine.batch_transfer_sync_read(prefills[p].te_address, loc[s:s + 512], rem[s:s + 512],
-                                                 [BLOCK_BYTES] * len(loc[s:s + 512]))
-            assert rc == 0, rc
-    sync_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ids = [engine.batch_transfer_async_read(prefills[p].te_address, loc, rem, [BLOCK_BYTES] * len(loc))
-           for p, loc, rem in per_request]
-    assert engine.get_batch_transfer_status(ids) == 0
-    return min(sync_s, time.perf_counter() - t0)
+
+    def per_prefill(method: str) -> None:
+        for p, (loc, rem) in per_peer.items():
+            read_blocks(engine, prefills[p].te_address, loc, rem, [BLOCK_BYTES] * len(loc), method)
+
+    def per_request_async() -> None:
+        ids = [engine.batch_transfer_async_read(prefills[p].te_address, loc, rem, [BLOCK_BYTES] * len(loc))
+               for p, loc, rem in per_request]
+        assert engine.get_batch_transfer_status(ids) == 0
+
+    return min(raw_on_thread(lambda: per_prefill("sync 512"), "raw sync reads"),
+               raw_on_thread(per_request_async, "raw async reads"),
+               raw_on_thread(lambda: per_prefill(SLEEPING), "raw sleeping reads"))
 
 
 def measure(num_prefills: int, in_flight: int, rounds: int) -> dict:
@@ -179,7 +189,7 @@ def measure(num_prefills: int, in_flight: int, rounds: int) -> dict:
                     done[r] = time.perf_counter() - t0
                 if time.perf_counter() - t0 > 120:
                     raise RuntimeError(f"pulls not done after 120 s: {len(done)} of {in_flight}")
-                time.sleep(1e-4)
+                time.sleep(POLL_S)  # the raw reads are seen by the same poll
             wall = time.perf_counter() - t0
             errors = decode.ledger.take_block_ids_with_load_errors()
             if errors:
@@ -253,8 +263,8 @@ def run(quick: bool = False):
             "prefill workers (own processes, loopback TCP), started together the way vLLM's model runner starts a "
             "step's pulls, polled with get_finished until all N are reported; every destination byte checked after "
             "each round. Latency: start to the request's report. 'of raw': the same blocks read by the decode's "
-            "own TransferEngine in the same round (one sync batch per prefill, or one async batch per request), "
-            "the faster of the two."
+            "own TransferEngine in the same round (sync batches per prefill, one async batch per request, or the "
+            "sleeping reader per prefill), the fastest of the three, seen by the same get_finished-period poll."
         ),
         tables=[table(["prefills", "in flight", "pulls/s", "GB/s", "p50 ms", "p99 ms", "best raw TE GB/s", "of raw"],
                       [[r["prefills"], r["in_flight"], r["pulls_per_s"], r["GB_per_s"], r["p50_ms"], r["p99_ms"],

@@ -3,7 +3,7 @@
 Reusable by other benches (``bench_mooncake`` reports the connector against these ceilings)::
 
     from benchmarks.bench_transfer_raw import RAW_METHODS, raw_te_read_seconds, te_bench_gbps, memcpy_gbps
-    raw_te_read_seconds(256 << 10, 512, method="async 4x256")   # seconds per rep, bytes verified
+    raw_te_read_seconds(256 << 10, 512, method="async 4x256, sleep")   # seconds per rep, bytes verified
     te_bench_gbps(256 << 10)     # Mooncake's own transfer_engine_bench (C++), GB/s, memoized per run
     memcpy_gbps(256 << 10, 512, threads=os.cpu_count())
 
@@ -11,10 +11,16 @@ Every Python-API method moves ``num_blocks`` blocks of ``block_bytes`` from a se
 scattered local slots (a random permutation), the way a KV pull gathers a prompt's blocks:
 
 * ``sync 512`` — ``batch_transfer_sync_read`` of 512 blocks per call, one call at a time (what
-  MooncakeConnectorV1 did until it pipelined asynchronous reads with ``read_batches``);
-* ``sync 1024`` — the same with 1024-block calls (the TCP transport's per-peer queue limit);
-* ``async 4x256`` / ``async 8x128`` — ``batch_transfer_async_read`` with 4 (8) calls in flight,
-  a sliding window completed with ``get_batch_transfer_status`` (1024 requests in flight at most);
+  MooncakeConnectorV1 did until it pipelined asynchronous reads with ``read_batches``). Spins:
+  Mooncake's synchronous call releases the GIL and polls the status with no yield;
+* ``async 8x128`` — ``batch_transfer_async_read`` with 8 calls in flight, a sliding window
+  completed with ``get_batch_transfer_status`` (which spins the same way); at most 1024 requests in
+  flight (the TCP transport's per-peer queue limit);
+* ``async 4x256, sleep`` / ``async 2x512, sleep`` — the same window, but before asking a call's
+  status the reader sleeps until the call is due (its bytes at the throughput this method measured
+  so far, :data:`SLEEP_SHARE` of it), so the status call spins only for what the estimate missed.
+  These do not spin: on 2 cores a spinner competes with both sides' TCP threads (issue 25 measured
+  raw 32 MiB reads at 0.78 GB/s spinning, 1.24 GB/s sleeping);
 * ``transfer_engine_bench`` — Mooncake's C++ benchmark from the wheel (``-threads`` = cores,
   contiguous blocks, fixed duration): what the engine does without Python in the loop.
 
@@ -40,13 +46,29 @@ from benchmarks.report import Claim, Section, median, progress, save_plot, table
 
 KIB, MIB = 1 << 10, 1 << 20
 PAGE = 4096
-# name -> (blocks per call, calls in flight; 0 = synchronous)
-RAW_METHODS: dict[str, tuple[int, int]] = {
-    "sync 512": (512, 0),
-    "sync 1024": (1024, 0),
-    "async 4x256": (256, 4),
-    "async 8x128": (128, 8),
+
+
+@dataclass(frozen=True)
+class RawMethod:
+    """One way to read blocks with the TransferEngine's Python API."""
+
+    per_call: int  # blocks per engine call
+    window: int  # calls in flight; 0 = synchronous calls one at a time
+    sleeps: bool = False  # sleep until a call is due before asking its status (no spinning wait)
+
+
+RAW_METHODS: dict[str, RawMethod] = {
+    "sync 512": RawMethod(512, 0),
+    "async 8x128": RawMethod(128, 8),
+    "async 4x256, sleep": RawMethod(256, 4, sleeps=True),
+    "async 2x512, sleep": RawMethod(512, 2, sleeps=True),
 }
+SPINNING = [name for name, m in RAW_METHODS.items() if not m.sleeps]
+# A sleeping reader sleeps this share of a call's expected time, then asks: an estimate that is a
+# little short costs a short spin, one that is long would delay every read and, learnt from those
+# delayed reads, drift ever longer.
+SLEEP_SHARE = 0.9
+_RATE_BYTES_PER_S: dict[tuple[str, str], float] = {}  # (peer, method) -> throughput seen so far
 CONNECTOR_LIKE = "sync 512"  # the connector's method before read_batches, for reference
 BATCH = 512  # kept for callers of the old API
 
@@ -163,30 +185,45 @@ def close_peers() -> None:
 
 def read_blocks(te, peer: str, dst: list[int], src: list[int], lens: list[int], method: str) -> None:
     """Read ``src -> dst`` (one entry per block) with one of :data:`RAW_METHODS`; raises on failure."""
-    per_call, window = RAW_METHODS[method]
-    n = len(lens)
-    if not window:
+    how = RAW_METHODS[method]
+    per_call, n = how.per_call, len(lens)
+    if not how.window:
         for s in range(0, n, per_call):
             rc = te.batch_transfer_sync_read(peer, dst[s : s + per_call], src[s : s + per_call], lens[s : s + per_call])
             if rc != 0:
                 raise RuntimeError(f"batch_transfer_sync_read rc={rc}")
         return
-    inflight: deque[int] = deque()
+    rate = _RATE_BYTES_PER_S.get((peer, method)) if how.sleeps else None
+    started = time.perf_counter()
+    inflight: deque[tuple[int, float]] = deque()  # (batch id, when its bytes are due)
+    due = started
+
+    def complete(bid: int, due_at: float) -> None:
+        if rate is not None:
+            wait = SLEEP_SHARE * (due_at - time.perf_counter())
+            if wait > 0:
+                time.sleep(wait)
+        rc = te.get_batch_transfer_status([bid])
+        if rc != 0:
+            raise RuntimeError(f"get_batch_transfer_status rc={rc}")
+
     try:
         for s in range(0, n, per_call):
-            if len(inflight) >= window:
-                rc = te.get_batch_transfer_status([inflight.popleft()])
-                if rc != 0:
-                    raise RuntimeError(f"get_batch_transfer_status rc={rc}")
+            if len(inflight) >= how.window:
+                complete(*inflight.popleft())
             bid = te.batch_transfer_async_read(peer, dst[s : s + per_call], src[s : s + per_call], lens[s : s + per_call])
             if not bid:
                 raise RuntimeError("batch_transfer_async_read returned batch id 0")
-            inflight.append(bid)
+            due = max(due, time.perf_counter()) + (sum(lens[s : s + per_call]) / rate if rate else 0.0)
+            inflight.append((bid, due))
+        while inflight:
+            complete(*inflight.popleft())
     finally:
-        if inflight:
-            rc = te.get_batch_transfer_status(list(inflight))
-            if rc != 0:
-                raise RuntimeError(f"get_batch_transfer_status rc={rc}")
+        if inflight:  # an error: free the rest (each batch id is asked exactly once)
+            te.get_batch_transfer_status([bid for bid, _ in inflight])
+    if how.sleeps:  # what this read achieved becomes the next read's estimate (half old, half new)
+        seen = sum(lens) / max(time.perf_counter() - started, 1e-9)
+        _RATE_BYTES_PER_S[(peer, method)] = seen if rate is None else (rate + seen) / 2
 
 
 def raw_te_read_seconds(block_bytes: int, num_blocks: int, reps: int = 3, method: str = CONNECTOR_LIKE) -> list[float]:
@@ -463,9 +500,11 @@ def run(quick: bool) -> Section:
         summary=(
             "The ceilings any KV transfer on this machine is measured against: a local gather copy (1 thread "
             "and all threads) and Mooncake's TransferEngine pulling blocks from a second process over loopback "
-            "TCP, used four ways from Python (synchronous 512- and 1024-block calls; asynchronous calls with 4 or "
-            "8 in flight) and by Mooncake's own C++ `transfer_engine_bench`. 'best TE' is the fastest of them "
-            "per block size; the P2P connector section reports against it."
+            "TCP, used four ways from Python (synchronous 512-block calls and 8 asynchronous calls in flight, both "
+            "waiting on Mooncake's spinning status calls; 4 x 256 and 2 x 512 asynchronous calls in flight that "
+            "sleep until a call is due before asking, so they do not spin) and by Mooncake's own C++ "
+            "`transfer_engine_bench`. 'best TE' is the fastest of them per block size; the P2P connector "
+            "section reports against the best of the Python methods, measured in its own repetitions."
         ),
         tables=[t1, t2],
         plots=[_plot(block_sizes, series, lengths, len_rows)],

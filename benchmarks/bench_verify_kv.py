@@ -2,8 +2,8 @@
 
 The harness of :mod:`benchmarks.bench_mooncake` (a prefill ``MooncakeWorker`` in its own process, the
 decode's ``MooncakeConnectorV1`` worker side here, the pull timed through the public path from
-``start_load_kv`` until ``get_finished`` reported it and the prefill acknowledged the PullDone, every
-destination byte checked after every repetition), run twice per block size: ``verify_kv`` off, then
+``start_load_kv`` until the ``get_finished`` poll that reports it, as vLLM sees it, every destination
+byte checked after every repetition), run twice per block size: ``verify_kv`` off, then
 on (both sides: the prefill digests every block per KV head with xxh3-64 when the request finishes,
 the decode checks every read batch against those digests). Each run reads the same blocks raw with
 the best TransferEngine methods in the same repetitions, so "of raw" compares the two runs on a

@@ -182,3 +182,22 @@ def progress(iterable, total: int | None = None, desc: str = ""):
         return tqdm(iterable, total=total, desc=desc)
     except ImportError:
         return iterable
+
+
+def side_by_side(what: str, ours: str, ours_v: tuple[float, float, float], peer: str,
+                 peer_v: tuple[float, float, float] | None, *, interval: str, fmt: str = ".2f",
+                 unit: str = "", peer_missing: str = "not measured in this run (see the notes)") -> Claim:
+    """Ours against vLLM's own connector on one figure (lower is better), each as (value, low,
+    high): ahead (met) or behind (missed) only when the intervals do not overlap, else unresolved."""
+    if peer_v is None or math.isnan(peer_v[0]):
+        return Claim(f"{what}: {ours} against {peer}: {peer} {peer_missing}")
+
+    def shown(v: tuple[float, float, float]) -> str:
+        return f"{v[0]:{fmt}}{unit} ({interval} {v[1]:{fmt}} to {v[2]:{fmt}})"
+
+    text = f"{what}: {ours} {shown(ours_v)} against {peer} {shown(peer_v)}"
+    if ours_v[2] < peer_v[1]:
+        return Claim(f"{text}: ours ahead by {peer_v[0] - ours_v[0]:{fmt}}{unit}", True)
+    if ours_v[1] > peer_v[2]:
+        return Claim(f"{text}: ours behind by {ours_v[0] - peer_v[0]:{fmt}}{unit}", False)
+    return Claim(f"{text}: the intervals overlap, no difference resolved in this run")
