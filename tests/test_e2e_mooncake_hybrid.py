@@ -124,8 +124,34 @@ def test_1p1d_past_the_window_matches_a_run_without_a_connector(engines):
     after = _prompt_tokens_by_source(d)
     computed = after.get("local_compute", 0.0) - before.get("local_compute", 0.0)
     assert computed <= len(prompts), (before, after)
-    for port in (P_PORT, D_PORT):
-        deadline = time.monotonic() + 30
+    _assert_clean(P_PORT, D_PORT)
+
+
+def test_failed_pull_fails_its_request_alone_and_the_decode_lives_on(engines):
+    """vLLM refuses block-level load errors (``invalid_block_ids``) once a model has several KV-cache
+    groups: it raises in the EngineCore. A failed pull of a hybrid request must come back per request
+    (``failed_recving``): with the decode's policy "fail" that request ends with an error, the other
+    request decodes from its pull, and the engine serves the next request."""
+    p, d, plain = engines["p"], engines["d"], engines["plain"]
+    prompts = _prompts(seed=25)[:2]
+    reference = plain.generate(prompts)
+    params = p.generate(prompts, [{"kv_transfer_params": {"do_remote_decode": True}}] * len(prompts),
+                        max_tokens=1).kv_transfer_params
+    fwd = [{"kv_transfer_params": dict(param)} for param in params]
+    # Request 0 names an engine the prefill does not know: the handshake is refused, the pull fails.
+    fwd[0]["kv_transfer_params"]["remote_engine_id"] = "no-such-engine"
+    out = d.generate(prompts, fwd, timeout_s=120)
+    assert len(out.token_ids[0]) < MAX_TOKENS, (out.token_ids[0], out.log_warnings)  # ended with an error
+    assert out.token_ids[1] == reference.token_ids[1]
+    # The decode lives on: the next request is served.
+    assert d.generate(prompts[:1]).token_ids == reference.token_ids[:1]
+    _assert_clean(P_PORT, D_PORT)  # the failed reader still told the prefill: nothing left held
+
+
+def _assert_clean(*ports: int, timeout_s: float = 30.0) -> None:
+    """Every rank in ``ports`` ends up holding nothing, all within one ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    for port in ports:
         while (report := mooncake_leaks(port))["held_blocks"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert report == {"held_blocks": 0, "held_requests": 0, "pending_pulls": 0, "active_reads": 0}, (port, report)
