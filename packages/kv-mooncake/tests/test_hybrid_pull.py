@@ -112,3 +112,49 @@ def test_a_null_block_in_the_window_is_a_load_error_not_a_read(pair):
     assert errors == {11, 12, 13, 14, 15, 16, 17, 18}
     for layer in range(len(LAYERS)):
         assert decode.block(layer, 0) == decode.block(layer, 0, before=True)  # the null block stays untouched
+
+
+# ---- how a failed pull reaches vLLM ---------------------------------------------------------------
+def _connector(worker: MooncakeWorker):
+    """The connector's worker side around ``worker``, under vLLM's own MultiConnector aggregation."""
+    from kv_mooncake.connector import MooncakeConnectorV1
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    connector = MooncakeConnectorV1.__new__(MooncakeConnectorV1)  # its __init__ needs a whole vLLM config
+    connector._scheduler, connector._worker = None, worker
+    multi = MultiConnector.__new__(MultiConnector)
+    multi._connectors, multi._extra_async_saves = [connector], {}
+    return connector, multi
+
+
+def test_a_failed_hybrid_pull_is_reported_per_request_never_as_block_ids(pair):
+    """vLLM raises in the EngineCore on block-level load errors of a model with several KV-cache
+    groups (its block ids are unique only within a group): the request goes out in failed_recving,
+    in the step that reports it finished, through vLLM's MultiConnector too."""
+    prefill, decode = pair
+    connector, multi = _connector(decode.worker)
+    prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=6, block_ids=REMOTE[0])]))
+    decode.worker.start_step(MooncakeStep(pulls=[_pull(prefill.worker.side_channel_port, REMOTE)]))
+    deadline = time.monotonic() + 20
+    while not (results := multi.get_transfer_results(set())).finished_recving and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert results.finished_recving == {"d-r"} and results.failed_recving == {"d-r"}
+    assert multi.get_block_ids_with_load_errors() == set() == connector.get_block_ids_with_load_errors()
+    assert multi.get_transfer_results(set()).failed_recving == set()  # reported once
+
+
+def test_a_hybrid_failure_waits_for_its_finish_and_one_group_keeps_block_ids():
+    hybrid = MooncakeWorker(MooncakeConfig(), engine_id="D", is_producer=False, is_consumer=True,
+                            side_channel_port=0, kv_groups=GROUPS)
+    # The pull thread records the failure just before it marks the request finished.
+    hybrid.ledger.record_failed_load("a", [[11], [17]])
+    hybrid.ledger.record_failed_load("b", [[12], [18]])
+    assert hybrid.take_failed_pulls(set(), set()) == set()
+    assert hybrid.take_failed_pulls({"a"}, {"b"}) == {"a"}  # b: vLLM finished it before its pull reported
+    assert hybrid.take_failed_pulls({"b"}, set()) == set()
+    assert hybrid.take_block_ids_with_load_errors() == set()
+    one = MooncakeWorker(MooncakeConfig(), engine_id="D", is_producer=False, is_consumer=True, side_channel_port=0,
+                         kv_groups=GROUPS[:1])
+    one.ledger.record_failed_load("a", [[11, 12]])
+    assert one.take_failed_pulls({"a"}, set()) == set()  # only the unread blocks are recomputed
+    assert one.take_block_ids_with_load_errors() == {11, 12}

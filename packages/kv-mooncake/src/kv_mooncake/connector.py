@@ -185,8 +185,16 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: igno
         assert self._worker is not None
         return self._worker.get_finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.32 asks this rather than ``get_finished``: a failed pull of a request of several
+        KV-cache groups goes out in ``failed_recving`` (the MultiConnector unites its children's)."""
+        results = super().get_transfer_results(finished_req_ids)
+        assert self._worker is not None
+        results.failed_recving = self._worker.take_failed_pulls(set(results.finished_recving), finished_req_ids)
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.ledger.take_block_ids_with_load_errors() if self._worker else set()
+        return self._worker.take_block_ids_with_load_errors() if self._worker else set()
 
     def get_kv_connector_stats(self) -> Any:
         # Workers count pulls; the scheduler counts prompt mismatches (vLLM aggregates both).

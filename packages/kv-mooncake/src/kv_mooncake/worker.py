@@ -79,6 +79,10 @@ class MooncakeWorker:
 
         self.stats = TransferStatsBase()
         self.ledger = FailureLedger()
+        # vLLM maps load-error block ids back to requests only with one KV-cache group (block ids are
+        # unique only within a group; with more it raises in the EngineCore): report whole requests.
+        self.failures_per_request = len(kv_groups) > 1
+        self._failed_pulls: set[str] = set()  # failed, not yet seen in finished_recving
         self.holder = PrefillHolder(config, engine_id=engine_id, prefill_layout=self.prefill_layout, stats=self.stats,
                                     pp_rank=prefill_rank.pp_rank)
         self.puller = DecodePuller(config, reader_id=self.reader_id, decode_rank=decode_rank,
@@ -186,6 +190,28 @@ class MooncakeWorker:
         sending = self.holder.take_freed()
         recving = self.puller.take_finished()
         return sending or None, recving or None
+
+    def take_failed_pulls(self, finished_recving: set[str], finished_req_ids: set[str]) -> set[str]:
+        """The requests whose pull failed or was partial, for vLLM's ``failed_recving`` (it recomputes
+        them whole, or fails them, by its kv_load_failure_policy): with several KV-cache groups only.
+        A request is reported in the step that also reports it in ``finished_recving`` (vLLM drops a
+        failure of a request it does not see finish); one vLLM finished first is forgotten."""
+        failed = self.ledger.take_failed_requests()
+        if not self.failures_per_request:
+            return set()  # one group: its unread blocks go out as block ids
+        self._failed_pulls |= failed
+        reported = self._failed_pulls & finished_recving
+        self._failed_pulls -= reported | finished_req_ids
+        if reported:
+            logger.warning("MooncakeConnectorV1: pull of %d hybrid request(s) failed; reported per request "
+                           "(kv_load_failure_policy decides: recompute or fail)", len(reported))
+        return reported
+
+    def take_block_ids_with_load_errors(self) -> set[int]:
+        """The unread blocks of failed pulls with one KV-cache group (vLLM recomputes from the first);
+        none with several, whose failures go out per request (``take_failed_pulls``)."""
+        block_ids = self.ledger.take_block_ids_with_load_errors()
+        return set() if self.failures_per_request else block_ids
 
     def leak_report(self) -> dict[str, int]:
         held = self.holder.counts()
