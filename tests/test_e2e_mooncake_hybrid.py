@@ -32,7 +32,7 @@ from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-P_PORT, D_PORT, R_PORT = 17910, 17960, 17985
+P_PORT, D_PORT, R_PORT = 18510, 18560, 18585
 WINDOW = 128  # the tiny Gemma2's sliding window; the CPU block is 128 tokens too
 MAX_TOKENS = 8
 KV_CACHE_BYTES = 256 << 20

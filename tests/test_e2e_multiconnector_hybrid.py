@@ -24,13 +24,21 @@ import time
 import pytest
 from conftest import requires_vllm
 from hybrid_e2e import HMA_OFF_LINES, expected_hit, hybrid_model, kv_capacity_tokens
-from test_e2e_multiconnector import PULL_TIMEOUT_S, _forward, _multi, _prefill
+from test_e2e_multiconnector import (
+    PULL_TIMEOUT_S,
+    _forward,
+    _full_blocks,
+    _multi,
+    _prefill,
+    _spill_files,
+    _wait_saved,
+)
 
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
 pytest.importorskip("mooncake.engine")
 
-P_PORT, D_PORT = 17830, 17840
+P_PORT, D_PORT = 18610, 18660
 MAX_TOKENS = 8
 # vLLM recomputes the last prompt token after a full load; at n = 127 (mod 128) tokens its window
 # reaches a block vLLM itself dropped (see test_e2e_mooncake_hybrid): lengths stay clear of that.
@@ -52,7 +60,7 @@ def fleet(tmp_path_factory):
     model = hybrid_model()
     engines = {
         "p": EngineProcess(model, kv_transfer_config=_multi("kv_producer", P_PORT, spill), cpu_bind="0",
-                           name="hybrid-p", instrument=True, **common),
+                           name="hybrid-p", **common),
         "d": EngineProcess(model, kv_transfer_config=_multi("kv_consumer", D_PORT, spill), cpu_bind="1",
                            name="hybrid-d", **common),
     }
@@ -63,7 +71,7 @@ def fleet(tmp_path_factory):
         for e in engines.values():
             e.wait_ready()
         print(f"\n[multiconnector hybrid] engines ready in {time.perf_counter() - t0:.1f}s")
-        yield engines
+        yield {**engines, "spill": spill}
     finally:
         closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 30}) for e in engines.values()]
         for t in closers:
@@ -75,16 +83,19 @@ def fleet(tmp_path_factory):
 def test_pull_and_pool_with_the_hybrid_manager_on(fleet):
     from kv_common.testing import assert_same_tokens
 
-    p, d = fleet["p"], fleet["d"]
+    p, d, spill = fleet["p"], fleet["d"], fleet["spill"]
     pulled, pooled = _prompts(41), _prompts(42)
+    before = _spill_files(spill)
     reference = p.generate(pulled + pooled)  # P's store child saves every full block of each group
-    p.wait_saves_done()
+    # (P saves in the background: wait for a value per full block and group; a missing one shows
+    # below as a shorter pool hit.)
+    _wait_saved(spill, before, 2 * _full_blocks(pulled + pooled))
     params = _prefill(p, pulled)
     out = d.generate(pulled + pooled, _forward(params) + [None] * len(pooled), timeout_s=PULL_TIMEOUT_S + 60)
     assert_same_tokens(out, reference)
     want = [len(q) for q in pulled] + [expected_hit(q) for q in pooled]
     assert out.num_cached_tokens == want, (out.num_cached_tokens, want, out.log_warnings)
-    logs = {key: e.log_path.read_text(errors="replace") for key, e in fleet.items()}
+    logs = {key: fleet[key].log_path.read_text(errors="replace") for key in ("p", "d")}
     for key, log in logs.items():
         for line in HMA_OFF_LINES:
             assert line not in log, f"{key}: {line!r} in its log"
