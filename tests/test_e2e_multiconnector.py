@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import random
 import struct
-import threading
 import time
 import zlib
 from pathlib import Path
 
 import pytest
-from conftest import BLOCK, requires_vllm
+from conftest import BLOCK, requires_vllm, running_engines
 
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
@@ -119,20 +118,8 @@ def fleet(tiny_model, tmp_path_factory):
         "d": EngineProcess(tiny_model, kv_transfer_config=_multi("kv_consumer", D_PORT, spill),
                            cpu_bind="1", name="d", **common),
     }
-    t0 = time.perf_counter()
-    for e in engines.values():
-        e.start(wait=False)
-    try:
-        for e in engines.values():
-            e.wait_ready()
-        print(f"\n[multiconnector] engines ready in {time.perf_counter() - t0:.1f}s")
+    with running_engines(list(engines.values())):
         yield {**engines, "spill": spill}
-    finally:
-        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 30}) for e in engines.values()]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(60)
 
 
 def test_decode_loads_from_the_pull_and_from_the_pool(fleet):

@@ -18,11 +18,9 @@ Two engines, started in parallel once for the module.
 from __future__ import annotations
 
 import random
-import threading
-import time
 
 import pytest
-from conftest import requires_vllm
+from conftest import requires_vllm, running_engines
 from hybrid_e2e import HMA_OFF_LINES, expected_hit, hybrid_model, kv_capacity_tokens
 from test_e2e_multiconnector import (
     PULL_TIMEOUT_S,
@@ -64,20 +62,8 @@ def fleet(tmp_path_factory):
         "d": EngineProcess(model, kv_transfer_config=_multi("kv_consumer", D_PORT, spill), cpu_bind="1",
                            name="hybrid-d", **common),
     }
-    t0 = time.perf_counter()
-    for e in engines.values():
-        e.start(wait=False)
-    try:
-        for e in engines.values():
-            e.wait_ready()
-        print(f"\n[multiconnector hybrid] engines ready in {time.perf_counter() - t0:.1f}s")
+    with running_engines(list(engines.values())):
         yield {**engines, "spill": spill}
-    finally:
-        closers = [threading.Thread(target=e.close, kwargs={"timeout_s": 30}) for e in engines.values()]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(60)
 
 
 def test_pull_and_pool_with_the_hybrid_manager_on(fleet):
