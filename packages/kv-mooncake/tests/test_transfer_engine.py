@@ -248,8 +248,10 @@ def test_read_batches_from_a_dead_peer_does_not_hang(target):
     proc.join(5)
     t0 = time.monotonic()
     with pytest.raises(TransferError) as info:
-        te.read_batches(address, _batches(local.ctypes.data, base, [0, 1, 2, 3], 2), time.monotonic() + 10)
-    assert time.monotonic() - t0 < 5 and info.value.batches_done == 0
+        te.read_batches(address, _batches(local.ctypes.data, base, [0, 1, 2, 3], 2), time.monotonic() + 60)
+    # Mooncake notices the dead peer in ~2 s; a hang would wait out the 60 s deadline. The bound is
+    # far from both: a loaded CI machine took 7.1 s here against a bound of 5.
+    assert time.monotonic() - t0 < 30 and info.value.batches_done == 0
     assert te._budget(address).in_flight == 0
     te.close()
 
