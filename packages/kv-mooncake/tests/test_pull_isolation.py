@@ -339,3 +339,43 @@ def test_a_refused_handshake_does_not_hold_up_a_pull_beside_it():
     finally:
         decode.worker.close()
         prefill.worker.close()
+
+
+def test_a_prefill_slower_than_one_try_is_still_heard():
+    """A starved prefill side channel (a shared core) takes longer to answer than one try waits
+    (handshake_timeout_s). Each try that gives up leaves its request in the prefill's queue, to be
+    answered to nobody: asking again at the same pace only lengthens that queue, and no answer ever
+    arrives in time (seen as a pull stalled until pull_timeout_s). Both pulls, the refused one too,
+    must hear their answers well before their deadline."""
+    cfg = MooncakeConfig(pull_timeout_s=20.0, handshake_timeout_s=0.15)
+    prefill = Instance(cfg, producer=True, seed=21)
+    decode = Instance(cfg, producer=False, seed=22)
+    answer = prefill.worker.holder.handle
+
+    def starved(message):
+        time.sleep(0.2)  # longer than one try
+        return answer(message)
+
+    prefill.worker.holder.handle = starved
+    port = prefill.worker.side_channel_port
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="wrong", num_blocks=1, block_ids=[1]),
+                                                      HoldRequest(request_id="right", num_blocks=1, block_ids=[3])]))
+        wrong = _pull("wrong", port, [1], [10])
+        wrong = msgspec.structs.replace(wrong, source=msgspec.structs.replace(wrong.source, engine_id="no-such-engine"))
+        t0 = time.monotonic()
+        decode.worker.start_step(MooncakeStep(pulls=[wrong, _pull("right", port, [3], [12])]))
+        done_at: dict[str, float] = {}
+        while len(done_at) < 2 and time.monotonic() - t0 < cfg.pull_timeout_s + 10:
+            for request_id in decode.worker.get_finished()[1] or ():
+                done_at[request_id] = time.monotonic() - t0
+            time.sleep(0.01)
+        print(f"done after {done_at}")
+        assert decode.worker.ledger.take_block_ids_with_load_errors() == {10}, done_at
+        assert done_at.get("right", 99) < cfg.pull_timeout_s / 2 and done_at.get("wrong", 99) < cfg.pull_timeout_s / 2, \
+            done_at
+        for layer in range(2):
+            assert decode.block(layer, 12) == prefill.block(layer, 3)
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
