@@ -8,6 +8,7 @@ import socket
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
 np = pytest.importorskip("numpy")
@@ -299,6 +300,82 @@ def test_a_refused_lease_voids_what_was_read_alongside_it():
         decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, [6], [7])]))
         errors, _ = _wait_pulled(decode, "r")
         assert errors == {7}
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_a_refused_handshake_does_not_hold_up_a_pull_beside_it():
+    """A fresh decode (no handshake cached) pulls two requests from one prefill at once; one names an
+    engine id the prefill does not have (refused, for good), the other is right. The refused one
+    fails at once, the other is read in full at once: neither waits out pull_timeout_s. The failed
+    reader's DONE still frees the prefill."""
+    cfg = MooncakeConfig(pull_timeout_s=30.0)
+    prefill = Instance(cfg, producer=True, seed=19)
+    decode = Instance(cfg, producer=False, seed=20)
+    port = prefill.worker.side_channel_port
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="wrong", num_blocks=2, block_ids=[1, 2]),
+                                                      HoldRequest(request_id="right", num_blocks=2, block_ids=[3, 4])]))
+        wrong = _pull("wrong", port, [1, 2], [10, 11])
+        wrong = msgspec.structs.replace(wrong, source=msgspec.structs.replace(wrong.source, engine_id="no-such-engine"))
+        t0 = time.monotonic()
+        decode.worker.start_step(MooncakeStep(pulls=[wrong, _pull("right", port, [3, 4], [12, 13])]))
+        done_at: dict[str, float] = {}
+        while len(done_at) < 2 and time.monotonic() - t0 < cfg.pull_timeout_s + 10:
+            for request_id in decode.worker.get_finished()[1] or ():
+                done_at[request_id] = time.monotonic() - t0
+            time.sleep(0.01)
+        # Well under the pull's deadline (30 s), with room for a loaded machine.
+        assert done_at.get("right", 99) < 10.0 and done_at.get("wrong", 99) < 10.0, done_at
+        assert decode.worker.ledger.take_block_ids_with_load_errors() == {10, 11}
+        for layer in range(2):
+            for src, dst in ((3, 12), (4, 13)):
+                assert decode.block(layer, dst) == prefill.block(layer, src)
+        deadline = time.monotonic() + 10
+        while prefill.worker.leak_report()["held_requests"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert prefill.worker.leak_report()["held_requests"] == 0  # both readers said DONE
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_a_prefill_slower_than_one_try_is_still_heard():
+    """A starved prefill side channel (a shared core) takes longer to answer than one try waits
+    (handshake_timeout_s). Each try that gives up leaves its request in the prefill's queue, to be
+    answered to nobody: asking again at the same pace only lengthens that queue, and no answer ever
+    arrives in time (seen as a pull stalled until pull_timeout_s). Both pulls, the refused one too,
+    must hear their answers well before their deadline."""
+    cfg = MooncakeConfig(pull_timeout_s=20.0, handshake_timeout_s=0.15)
+    prefill = Instance(cfg, producer=True, seed=21)
+    decode = Instance(cfg, producer=False, seed=22)
+    answer = prefill.worker.holder.handle
+
+    def starved(message):
+        time.sleep(0.2)  # longer than one try
+        return answer(message)
+
+    prefill.worker.holder.handle = starved
+    port = prefill.worker.side_channel_port
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="wrong", num_blocks=1, block_ids=[1]),
+                                                      HoldRequest(request_id="right", num_blocks=1, block_ids=[3])]))
+        wrong = _pull("wrong", port, [1], [10])
+        wrong = msgspec.structs.replace(wrong, source=msgspec.structs.replace(wrong.source, engine_id="no-such-engine"))
+        t0 = time.monotonic()
+        decode.worker.start_step(MooncakeStep(pulls=[wrong, _pull("right", port, [3], [12])]))
+        done_at: dict[str, float] = {}
+        while len(done_at) < 2 and time.monotonic() - t0 < cfg.pull_timeout_s + 10:
+            for request_id in decode.worker.get_finished()[1] or ():
+                done_at[request_id] = time.monotonic() - t0
+            time.sleep(0.01)
+        print(f"done after {done_at}")
+        assert decode.worker.ledger.take_block_ids_with_load_errors() == {10}, done_at
+        assert done_at.get("right", 99) < cfg.pull_timeout_s / 2 and done_at.get("wrong", 99) < cfg.pull_timeout_s / 2, \
+            done_at
+        for layer in range(2):
+            assert decode.block(layer, 12) == prefill.block(layer, 3)
     finally:
         decode.worker.close()
         prefill.worker.close()

@@ -170,15 +170,16 @@ class PrefillMessenger:
         return self._client.request(address, message, max(0.05, timeout_s))
 
     def _ask(self, address: str, message: msgspec.Struct, deadline: float) -> msgspec.Struct:
-        """``message`` until the pull's deadline, each try bounded by ``handshake_timeout_s``."""
-        return self._until(deadline, address, lambda left: self._request(
-            address, message, min(left, self.config.handshake_timeout_s)))
+        """``message`` until the pull's deadline, the first try bounded by ``handshake_timeout_s``."""
+        return self._until(deadline, address, lambda timeout_s: self._request(address, message, timeout_s))
 
     def _until(self, deadline: float, address: str, call: Callable[[float], msgspec.Struct]) -> msgspec.Struct:
         """Repeat ``call`` while the peer answers Refused(retry=True) or not at all, until the deadline.
         A peer silent until the deadline is presumed down (``PeerBreaker``); a pull waiting on a peer
-        that another pull found down gives up at once."""
+        that another pull found down gives up at once. ``call(timeout_s)``: one try, bounded by
+        ``handshake_timeout_s``, each try after a timeout twice as long as the one before."""
         delay = 0.005
+        try_s = self.config.handshake_timeout_s
         while True:
             if self._breaker.is_open(address):
                 raise PeerDown(f"{address} presumed down (silent for a whole pull); it is probed again later")
@@ -186,7 +187,7 @@ class PrefillMessenger:
             if left <= 0:
                 raise PullFailed("deadline passed")
             try:
-                reply = call(left)
+                reply = call(min(left, try_s))
             except side_channel.SideChannelTimeout:
                 # A busy prefill (its side-channel thread starved on a shared core) gets until the
                 # pull's deadline, not just one request's timeout; the request is idempotent.
@@ -194,6 +195,9 @@ class PrefillMessenger:
                     self._breaker.silent(address)
                     raise
                 self._check_reachable(address)  # gone meanwhile (refused): no use waiting
+                # The prefill still answers the request given up on (to nobody), in turn: asked again
+                # at the same pace, one slower than a try never gets through its queue in time.
+                try_s *= 2
                 continue
             self._breaker.answered(address)
             if not (isinstance(reply, P.Refused) and reply.retry):
@@ -264,7 +268,8 @@ class PrefillMessenger:
                     logger.warning("MooncakeConnectorV1: %s to %s not delivered: %s",
                                    type(message).__name__, address, exc)
                     return
-                timeout = min(2 * timeout, self.config.handshake_timeout_s, max(0.05, left))
+                # Each try twice as long (as in ``_until``): a starved prefill answers in turn.
+                timeout = min(2 * timeout, max(0.05, left))
 
     # ---- without a pull ----------------------------------------------------------------------
     def keep_alive(self, source: RemoteSource, prefill: PrefillLayout) -> None:
