@@ -143,7 +143,9 @@ def test_evicted_manifest_a_new_model_revision_never_loads_the_old_kv(engines):
     got = m2.generate(prompts)
     assert_same_tokens(got, want)  # revision 2's tokens, not decoded from revision 1's KV
     # Every lookup hit M1's blocks (vLLM 0.32 keeps that count in num_cached_tokens even when the
-    # load then fails and is recomputed), and every one of those loads failed the layout check.
+    # load then fails and is recomputed), and every one of those loads failed: the layout check,
+    # or a miss where a request sharing that prefix had already removed the corrupt value.
     hits = sum(1 for n in got.num_cached_tokens if n)
-    refused = [w for w in got.log_warnings if "checksum mismatch" in w and "reported for recompute" in w]
-    assert hits and len(refused) >= hits, (got.num_cached_tokens, got.log_warnings)
+    refused = [w for w in got.log_warnings if "reported for recompute" in w]
+    corrupt = [w for w in refused if "checksum mismatch" in w]
+    assert hits and corrupt and len(refused) >= hits, (got.num_cached_tokens, got.log_warnings)
