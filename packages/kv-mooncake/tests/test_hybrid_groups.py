@@ -181,7 +181,7 @@ def test_no_planned_block_is_a_null_block_on_either_side(kind, block, size, n, c
     remote = _prefill_in_chunks(managers[0], "p", n, chunks)
     local = _allocate_decode(managers[1], "d", n)
     null = managers[0].block_pool.null_block.block_id
-    assert null == managers[1].block_pool.null_block.block_id == 0  # kv_mooncake.pull_plan.NULL_BLOCK_ID
+    assert null == managers[1].block_pool.null_block.block_id == 0  # kv_common.kv_cache_groups.NULL_BLOCK_ID
     planned = _planned(kv_groups(config), n, 0)
     for g, positions in enumerate(planned):
         for position in positions:

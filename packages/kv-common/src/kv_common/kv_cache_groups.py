@@ -19,6 +19,8 @@ CHUNKED_LOCAL = "chunked_local"
 STATE = "state"
 OTHER = "other"
 
+NULL_BLOCK_ID = 0  # vLLM's BlockPool reserves block 0 as the null block: windows' skipped blocks point at it
+
 # vLLM spec class names by kind. Subclasses are matched through the class's MRO names, so a
 # SlidingWindowMLASpec is a sliding-window group and an MLAAttentionSpec a full one.
 _KIND_BY_SPEC = (

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_common.failure_ledger import FailureLedger
+from kv_common.kv_cache_groups import NULL_BLOCK_ID
 from kv_common.kv_layout import KVPart, LayoutError, head_span_runs, pair_runs
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
@@ -38,7 +39,6 @@ from kv_mooncake.pipeline_stages import decode_stage_layers, stage_layer_problem
 from kv_mooncake.prefill_messenger import PrefillMessenger, peer_address
 from kv_mooncake.pull_errors import PeerDown, PullFailed
 from kv_mooncake.pull_plan import (
-    NULL_BLOCK_ID,
     DecodeLayout,
     DecodeRank,
     GroupBlocks,

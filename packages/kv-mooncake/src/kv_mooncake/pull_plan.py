@@ -38,8 +38,6 @@ from kv_common.kv_cache_groups import KVGroup, first_needed_block
 
 from kv_mooncake.pipeline_stages import for_each_stage
 
-NULL_BLOCK_ID = 0  # vLLM's null block (``BlockPool.null_block``): a placeholder every request shares
-
 
 class PlanError(ValueError):
     """The two layouts cannot exchange KV blocks (for example heads that do not divide)."""

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from kv_common.kv_cache_groups import KVGroup
+from kv_common.kv_cache_groups import NULL_BLOCK_ID, KVGroup
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
 
@@ -20,7 +20,7 @@ from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.declared_layout import peer_layout_contradiction
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest
 from kv_mooncake.prompt_identity import request_digest, same_prompt
-from kv_mooncake.pull_plan import NULL_BLOCK_ID, group_blocks_to_pull, plans_per_group
+from kv_mooncake.pull_plan import group_blocks_to_pull, plans_per_group
 from kv_mooncake.transfer_params import (
     MAX_PREFILL_RANKS,
     TransferParams,

@@ -30,11 +30,11 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, NamedTuple
 
 import msgspec
-from kv_common.kv_cache_groups import KVGroup
+from kv_common.kv_cache_groups import NULL_BLOCK_ID, KVGroup
 from kv_common.logging_utils import get_logger
 
 from kv_mooncake.metadata import RemoteSource
-from kv_mooncake.pull_plan import NULL_BLOCK_ID, group_blocks_to_pull, plans_per_group
+from kv_mooncake.pull_plan import group_blocks_to_pull, plans_per_group
 
 logger = get_logger(__name__)
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kv_common.kv_cache_groups import FULL, KVGroup, first_needed_block
+from kv_common.kv_cache_groups import FULL, NULL_BLOCK_ID, KVGroup, first_needed_block
 
-NULL_BLOCK_ID = 0  # vLLM's BlockPool reserves block 0 as the null block
+__all__ = ["NULL_BLOCK_ID", "event_groups", "group_tag", "hit_blocks", "hit_range", "lookup_range", "save_range"]
 
 
 def group_tag(rank_tag: str, group: KVGroup, num_groups: int) -> str:
