@@ -65,7 +65,9 @@ def engines():
         "p": EngineProcess(model, kv_transfer_config=_config("kv_producer", P_PORT), cpu_bind="0", name="p", **common),
         "d": EngineProcess(model, kv_transfer_config=_config("kv_consumer", D_PORT, "fail"), cpu_bind="1", name="d",
                            **common),
-        "dr": EngineProcess(model, kv_transfer_config=_config("kv_consumer", R_PORT, "recompute"), cpu_bind="0",
+        # Never on the prefill's core: a decode waiting for a pull steps without pause (vLLM's busy
+        # loop spins on sched_yield) and starved the pinned prefill's side channel for over a minute.
+        "dr": EngineProcess(model, kv_transfer_config=_config("kv_consumer", R_PORT, "recompute"), cpu_bind="1",
                             name="dr", **common),
         "plain": EngineProcess(model, name="plain", multiprocess=False, **common),
     }
