@@ -1,11 +1,13 @@
 """scripts/gpu-check.sh and its Python part, on this CPU machine: the shell script parses, the plan
 prints without a GPU or vLLM (``--dry-run``), and the verdict fails on any mismatch. The real
-check needs a CUDA GPU and has not run yet (README, "Models")."""
+check needs a CUDA GPU and has not run yet (README, "Models"); its data-path part
+(scripts/gpu_connector_check.py) ran on an H200 and runs here on host memory."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -84,3 +86,18 @@ def test_expected_store_hit_counts_full_blocks_only(gpu_check):
     assert gpu_check.expected_store_hit([0] * 300, 128) == 256
     assert gpu_check.expected_store_hit([0] * 256, 128) == 128  # the last full block is computed
     assert gpu_check.expected_store_hit([0] * 437, 16) == 432
+
+
+def test_the_connector_data_path_check_passes_on_host_memory():
+    """scripts/gpu_connector_check.py (what ran on a lent H200, README "Models") on host memory:
+    every check passes here too, so the script cannot rot between GPU loans."""
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "MC_LOG_LEVEL": "ERROR"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_connector_check.py")], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env=env)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    checks = {row["check"]: row for row in rows if "check" in row}
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert set(checks) == {"doctor", "p2p-hybrid", "p2p-bulk", "store-embedded", "store-mooncake"}
+    assert all(row["status"] == "pass" for row in checks.values()), checks
+    assert checks["p2p-hybrid"]["blocks_pulled"] == 16 and checks["p2p-hybrid"]["blocks_untouched"] == 112
+    assert rows[-1] == {"checks": 5, "failed": 0}
