@@ -23,6 +23,13 @@ class ProxyMetrics:
         self.releases = Counter("kv_proxy_prefill_releases",
                                 "FreeNow sent to a prefill whose blocks no decode will pull", ["result"],
                                 registry=r)
+        self.instance_changes = Counter("kv_proxy_instance_changes",
+                                        "Instances that joined or left the pool at run time",
+                                        ["role", "change"], registry=r)
+        self.requests_by_path = Counter("kv_proxy_requests_by_path",
+                                        "Client requests by how they were served: disaggregated (prefill "
+                                        "then decode), decode_only_short (below --decode-only-below), "
+                                        "decode_only_fallback (no prefill could serve)", ["path"], registry=r)
         self.healthy = Gauge("kv_proxy_instance_healthy", "1 when the instance is in rotation",
                              ["role", "instance"], registry=r)
         self.outstanding = Gauge("kv_proxy_outstanding_tokens", "Estimated tokens in flight",

@@ -22,7 +22,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kv_mooncake.proxy.balancer import Instance, InstancePool, estimate_prompt_tokens, requested_max_tokens
+from kv_mooncake.proxy.balancer import Instance, InstancePool, requested_max_tokens
 from kv_mooncake.proxy.bodies import (
     decode_request_body,
     error_response,
@@ -40,6 +40,7 @@ from kv_mooncake.proxy.exchange import (
 )
 from kv_mooncake.proxy.metrics import ProxyMetrics
 from kv_mooncake.proxy.release import release_prefill_blocks
+from kv_mooncake.proxy.routing import request_path
 from kv_mooncake.proxy.upstreams import Upstreams
 
 logger = logging.getLogger("kv_mooncake.proxy")
@@ -176,6 +177,13 @@ class Relay:
             await response.aclose()
         return params
 
+    def _unhold(self, ex: Exchange) -> None:
+        """The prefill's blocks are pulled (a decode's first byte) or never will be: a draining
+        prefill may leave once nothing else of it is in flight."""
+        if ex.prefill is not None:
+            self.upstreams.unhold(ex.prefill)
+            ex.prefill = None
+
     async def _prefill(self, path: str, body: dict, ex: Exchange, tokens: int) -> dict:
         leg_body = prefill_request_body(body)
         reasons: list[str] = []
@@ -198,6 +206,8 @@ class Relay:
                 self.upstreams.release(inst, tokens)
             self.metrics.prefill_seconds.observe(time.monotonic() - t0)
             self.upstreams.succeeded(inst)
+            self.upstreams.hold(inst)
+            ex.prefill = inst
             return params
         raise Unavailable("prefill", reasons)
 
@@ -259,20 +269,27 @@ class Relay:
     # ---- one client request
     async def handle(self, ex: Exchange, path: str, body: dict) -> Response:
         stream = bool(body.get("stream"))
-        prompt_tokens = estimate_prompt_tokens(body)
+        chosen, prompt_tokens = request_path(body, self.config.decode_only_below)
+        route: str = chosen
         headers = {"X-Request-Id": ex.request_id}
         leg: DecodeLeg | None = None
         try:
-            try:
-                ex.params = await self._prefill(path, body, ex, prompt_tokens)
-            except Unavailable as exc:
-                if self.config.fallback != "decode-only":
-                    return error_response(503, str(exc), "service_unavailable", ex.request_id)
-                logger.warning("request %s: %s; decode-only fallback", ex.request_id, exc)
-                self.metrics.fallbacks.inc()
-            decode_tokens = prompt_tokens + requested_max_tokens(body, self.config.default_max_tokens)
+            if route == "disaggregated":
+                try:
+                    ex.params = await self._prefill(path, body, ex, prompt_tokens)
+                except Unavailable as exc:
+                    if self.config.fallback != "decode-only":
+                        return error_response(503, str(exc), "service_unavailable", ex.request_id)
+                    logger.warning("request %s: %s; decode-only fallback", ex.request_id, exc)
+                    self.metrics.fallbacks.inc()
+                    route = "decode_only_fallback"
+            self.metrics.requests_by_path.labels(route).inc()
+            n = body.get("n")
+            samples = n if isinstance(n, int) and n > 0 else 1
+            decode_tokens = prompt_tokens + samples * requested_max_tokens(body, self.config.default_max_tokens)
             leg = await self._decode(path, decode_request_body(body, ex.params), ex, decode_tokens, stream)
             ex.first_byte = True
+            self._unhold(ex)
             self.metrics.ttfb_seconds.observe(time.monotonic() - ex.t0)
             if stream:
                 response = RelayResponse(self._relay(leg, ex), status_code=leg.response.status_code,
@@ -299,6 +316,7 @@ class Relay:
             if leg is not None:
                 self._close_leg(leg)
             self.release_if_unpulled(ex)
+            self._unhold(ex)
 
     async def _relay(self, leg: DecodeLeg, ex: Exchange) -> AsyncIterator[bytes]:
         if leg.first:
