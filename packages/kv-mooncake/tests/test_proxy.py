@@ -32,6 +32,7 @@ from kv_mooncake import protocol as P
 from kv_mooncake.proxy.app import build_app, prefill_request_body
 from kv_mooncake.proxy.balancer import InstancePool, estimate_prompt_tokens
 from kv_mooncake.proxy.config import ProxyConfig, parse_args
+from kv_mooncake.proxy.kv_events import apply_message
 from kv_mooncake.proxy.operations import (
     MAX_INSTANCES,
     InstanceChange,
@@ -40,8 +41,9 @@ from kv_mooncake.proxy.operations import (
     parse_instance_change,
     parse_reset_query,
 )
+from kv_mooncake.proxy.prefix_index import PrefixIndex, prefill_credit, prompt_keys
 from kv_mooncake.proxy.release import side_channel_addresses
-from kv_mooncake.proxy.routing import choose_path, request_path
+from kv_mooncake.proxy.routing import choose_path, request_path, token_id_prompt
 from kv_mooncake.side_channel import SideChannelServer
 
 # Bound of every wait in these tests. The upstreams are local and instant, but a loaded CI machine
@@ -805,3 +807,182 @@ def test_short_prompts_run_on_the_decode_alone_and_are_counted():
         text = _get(s.proxy_url + "/metrics").text
         assert 'kv_proxy_requests_by_path_total{path="decode_only_short"} 1.0' in text
         assert 'kv_proxy_requests_by_path_total{path="disaggregated"} 1.0' in text
+
+
+# ---------------------------------------------------------------------------------------- routing by KV events
+def _events_message(seq: int, *events: dict) -> list[bytes]:
+    """A message as vLLM 0.32's ZmqEventPublisher sends it: (topic, 8-byte seq, msgpack KVEventBatch)."""
+    import msgspec
+
+    return [b"", seq.to_bytes(8, "big", signed=True), msgspec.msgpack.encode([time.time(), list(events), None])]
+
+
+def _stored(hashes: list, parent, tokens: list[int], block_size: int = 4, **extra) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None, **extra}
+
+
+def test_prefix_index_matches_chains_of_whole_blocks():
+    index = PrefixIndex(max_blocks=100)
+    prompt = list(range(100, 114))  # 3 whole blocks of 4, and 2 tokens
+    assert index.stored([b"h1", b"h2"], None, prompt[:8], 4) == 2
+    assert index.stored([b"h3"], b"h2", prompt[8:12], 4) == 1
+    assert index.matched_blocks(prompt_keys(prompt, 4)) == 3
+    assert index.matched_blocks(prompt_keys([*prompt[:4], 0, 0, 0, 0, *prompt[8:]], 4)) == 1  # diverges
+    assert index.stored([b"x"], b"unknown-parent", [1, 2, 3, 4], 4) == 0  # no chain from the start
+    assert index.stored([b"y"], None, [1, 2, 3], 4) == 0  # not whole blocks
+    index.removed([b"h2"])
+    assert index.matched_blocks(prompt_keys(prompt, 4)) == 1  # a prefix stops at the first missing block
+    index.clear()
+    assert len(index) == 0 and index.matched_blocks(prompt_keys(prompt, 4)) == 0
+
+
+def test_prefix_index_is_bounded_oldest_first():
+    index = PrefixIndex(max_blocks=3)
+    for i in range(5):
+        index.stored([i], None, [i] * 4, 4)
+    assert len(index) == 3
+    assert index.matched_blocks(prompt_keys([0] * 4, 4)) == 0 and index.matched_blocks(prompt_keys([4] * 4, 4)) == 1
+
+
+def test_prefill_credit_is_the_cached_prefix_in_tokens():
+    a, b = PrefixIndex(), PrefixIndex()
+    prompt = list(range(10))
+    a.stored([1, 2], None, prompt[:8], 4)
+    b.stored([9], None, prompt[:4], 4)
+    assert prefill_credit({"A": a, "B": b, "C": PrefixIndex()}, prompt) == {"A": 8, "B": 4}
+    assert prefill_credit({"A": a}, None) == {}
+    assert token_id_prompt({"prompt": [1, 2]}) == [1, 2] and token_id_prompt({"prompt": "text"}) is None
+    assert token_id_prompt({"prompt": [[1, 2]]}) is None and token_id_prompt({"prompt": [True]}) is None
+
+
+def test_kv_event_messages_are_checked_and_gaps_clear_the_index():
+    index = PrefixIndex()
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    seq, outcome = apply_message(index, _events_message(0, _stored([b"a", b"b"], None, prompt)), None)
+    assert (seq, outcome) == (0, "ok") and index.matched_blocks(prompt_keys(prompt, 4)) == 2
+    assert apply_message(index, _events_message(1, {"type": "BlockRemoved", "block_hashes": [b"b"], "medium": None}),
+                         0) == (1, "ok")
+    assert index.matched_blocks(prompt_keys(prompt, 4)) == 1
+    assert apply_message(index, _events_message(2, _stored([b"l"], None, [1, 2, 3, 4], lora_id=3)), 1)[1] == "ok"
+    assert len(index) == 1  # a LoRA's blocks are not indexed
+    for bad in ([b"", b"short", b""], [b"", (3).to_bytes(8, "big"), b"\xc1"],
+                _events_message(3, {"type": "BlockStored", "block_hashes": "x"}), _events_message(3, 7)):
+        assert apply_message(index, bad, 2)[1] == "bad"
+    assert len(index) == 1
+    assert apply_message(index, _events_message(9, {"type": "AllBlocksCleared"}), 3)[1] == "gap"
+    assert len(index) == 0
+    apply_message(index, _events_message(10, _stored([b"a"], None, prompt[:4])), 9)
+    assert apply_message(index, _events_message(0, _stored([b"a"], None, prompt[:4])), 10)[1] == "gap"  # restarted
+
+
+def test_least_loaded_gives_way_to_the_prefix_holder_load_permitting():
+    pool = InstancePool("prefill", ["http://a:1", "http://b:1"])
+    a, b = pool.instances
+    assert pool.pick(credit={"http://b:1": 256}) is b
+    pool.acquire(b, 300)  # b is 300 tokens busier: its 256 cached tokens no longer make up for it
+    assert pool.pick(credit={"http://b:1": 256}) is a
+    assert pool.pick(credit={}) is a
+
+
+def test_prefill_legs_follow_the_kv_events_of_a_prefill():
+    """A real ZMQ PUB socket sends vLLM-shaped events naming the second prefill's cached prefix:
+    token-id prompts with that prefix go there; others balance as before; missing events never fail."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    side = FakeSideChannel()
+    prefills = [FakeOpenAIServer("prefill", side.port) for _ in range(2)]
+    decode = FakeOpenAIServer("decode")
+    servers = [_Uvicorn(f.app()).start() for f in (*prefills, decode)]
+    holder = servers[1].url
+    cfg = ProxyConfig(prefill_urls=(servers[0].url, holder), decode_urls=(servers[2].url,),
+                      kv_events=((holder, f"tcp://127.0.0.1:{port}"), (servers[0].url, "tcp://127.0.0.1:1")),
+                      health_interval_s=0.2, health_timeout_s=WAIT_S)
+    app = build_app(cfg)
+    proxy = _Uvicorn(app).start()
+    try:
+        shared = list(range(1000, 1000 + 16))
+        seq = 0
+        index = app.state.proxy.kv_events.indexes[holder]
+        deadline = time.monotonic() + WAIT_S
+        while not len(index):  # a SUB socket hears only what is sent after it connected
+            assert time.monotonic() < deadline, "the proxy never heard the KV events"
+            pub.send_multipart(_events_message(seq, _stored([11, 12, 13, 14], None, shared)))
+            seq += 1
+            time.sleep(0.05)
+        for i in range(4):
+            assert _post(proxy.url, {**BODY, "prompt": [*shared, i]}).status_code == 200
+        assert len(prefills[1].requests) == 4 and prefills[0].requests == []
+        for _ in range(2):  # no cached prefix: round-robin on ties, as without events
+            assert _post(proxy.url, {**BODY, "prompt": [1, 2, 3]}).status_code == 200
+        assert len(prefills[0].requests) == 1 and len(prefills[1].requests) == 5
+        text = _get(proxy.url + "/metrics").text
+        assert 'kv_proxy_prefix_routed_total{outcome="hit"} 4.0' in text
+        assert f'kv_proxy_prefix_index_blocks{{instance="{holder}"}} 4.0' in text
+    finally:
+        proxy.stop()
+        for s in servers:
+            s.stop()
+        side.server.close()
+        pub.close(0)
+
+
+def test_kv_events_flags():
+    cfg = parse_args(["--prefill", "http://h:1", "--decode", "http://h:2", "--kv-events",
+                      "http://h:1/=tcp://h:5557", "--kv-events-max-blocks", "10"])
+    assert cfg.kv_events == (("http://h:1", "tcp://h:5557"),) and cfg.kv_events_max_blocks == 10
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "http://h:1", "--decode", "http://h:2", "--kv-events", "http://h:1"])
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "http://h:1", "--decode", "http://h:2", "--kv-events", "http://h:1=udp://x"])
+
+
+def test_decode_cached_rule():
+    assert choose_path(1000, 0, 800, 0.75) == "decode_only_cached"
+    assert choose_path(1000, 0, 700, 0.75) == "disaggregated"
+    assert choose_path(1000, 0, 1000, 0.0) == "disaggregated"  # off
+    assert choose_path(10, 0, 0, 0.5) == "disaggregated"  # nothing cached is never "most"
+    assert choose_path(10, 64, 0, 0.5) == "decode_only_short"
+
+
+def test_a_prompt_the_decode_holds_mostly_runs_there_alone():
+    """Two decodes, the second announces (KV events) 4 blocks of 4 tokens: a 17-token prompt with
+    that prefix runs on it without a prefill leg; another prompt is disaggregated as before."""
+    import zmq
+
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    side = FakeSideChannel()
+    prefill = FakeOpenAIServer("prefill", side.port)
+    decodes = [FakeOpenAIServer("decode") for _ in range(2)]
+    servers = [_Uvicorn(f.app()).start() for f in (prefill, *decodes)]
+    holder = servers[2].url
+    cfg = ProxyConfig(prefill_urls=(servers[0].url,), decode_urls=(servers[1].url, holder),
+                      kv_events=((holder, f"tcp://127.0.0.1:{port}"),), decode_only_cached=0.75,
+                      health_interval_s=0.2, health_timeout_s=WAIT_S)
+    app = build_app(cfg)
+    proxy = _Uvicorn(app).start()
+    try:
+        shared = list(range(2000, 2016))
+        index, seq, deadline = app.state.proxy.kv_events.indexes[holder], 0, time.monotonic() + WAIT_S
+        while not len(index):
+            assert time.monotonic() < deadline, "the proxy never heard the KV events"
+            pub.send_multipart(_events_message(seq, _stored([21, 22, 23, 24], None, shared)))
+            seq += 1
+            time.sleep(0.05)
+        r = _post(proxy.url, {**BODY, "prompt": [*shared, 7]})
+        assert r.status_code == 200 and r.json()["received_kv_transfer_params"] is None
+        assert prefill.requests == [] and len(decodes[1].requests) == 1 and decodes[0].requests == []
+        assert _post(proxy.url, {**BODY, "prompt": list(range(17))}).status_code == 200
+        assert len(prefill.requests) == 1
+        text = _get(proxy.url + "/metrics").text
+        assert 'kv_proxy_requests_by_path_total{path="decode_only_cached"} 1.0' in text
+    finally:
+        proxy.stop()
+        for s in servers:
+            s.stop()
+        side.server.close()
+        pub.close(0)

@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kv_mooncake.proxy.bodies import error_response, prefill_request_body
 from kv_mooncake.proxy.config import ProxyConfig
 from kv_mooncake.proxy.exchange import Exchange
+from kv_mooncake.proxy.kv_events import KvEventsSubscriber
 from kv_mooncake.proxy.metrics import ProxyMetrics
 from kv_mooncake.proxy.operations import (
     OperationRefused,
@@ -74,10 +75,16 @@ class Proxy:
         self.upstreams = Upstreams(config, self.metrics)
         self.relay = Relay(config, self.upstreams, self.metrics)
         self.operations = Operations(self.upstreams)
+        self.kv_events = (KvEventsSubscriber(dict(config.kv_events), config.kv_events_max_blocks, self.metrics)
+                          if config.kv_events else None)
+        if self.kv_events is not None:
+            self.relay.indexes = self.kv_events.indexes
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.relay.start()
+        if self.kv_events is not None:
+            await self.kv_events.start()
         self._health_task = asyncio.create_task(self.upstreams.health_loop(self.relay.client),
                                                 name="kv-proxy-health")
 
@@ -86,6 +93,8 @@ class Proxy:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.relay.stop()
 
     # ---- one client request

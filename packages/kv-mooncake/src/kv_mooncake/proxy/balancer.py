@@ -8,7 +8,7 @@ once nothing of theirs is in flight (:mod:`.operations`).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 
@@ -44,16 +44,20 @@ class InstancePool:
         self.instances = [Instance(url=u, role=role) for u in urls]
         self._next = 0  # round-robin cursor: where the next tie-break starts
 
-    def pick(self, exclude: Collection[str] = ()) -> Instance | None:
+    def pick(self, exclude: Collection[str] = (), credit: Mapping[str, int] | None = None) -> Instance | None:
         """The healthy instance in rotation with the fewest outstanding tokens (ties: round-robin),
         or, when none is healthy, a taken-out one (a request still gets its try; the failure is
-        fast). Joining and draining instances never get a leg."""
+        fast). Joining and draining instances never get a leg. ``credit``: prompt tokens an
+        instance has cached already (KV events), taken off its load: the holder of a prefix wins
+        unless it carries that many more outstanding tokens than another."""
         n = len(self.instances)
         candidates = [(i, x) for i, x in enumerate(self.instances) if x.url not in exclude and x.in_rotation]
         pool = [c for c in candidates if c[1].healthy] or candidates
         if not pool:
             return None
-        index, chosen = min(pool, key=lambda c: (c[1].outstanding_tokens, (c[0] - self._next) % n))
+        credit = credit or {}
+        index, chosen = min(pool, key=lambda c: (c[1].outstanding_tokens - credit.get(c[1].url, 0),
+                                                 (c[0] - self._next) % n))
         self._next = (index + 1) % n
         return chosen
 
