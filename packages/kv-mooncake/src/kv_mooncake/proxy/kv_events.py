@@ -106,8 +106,19 @@ class KvEventsSubscriber:
         logger.info("KV events of %s from %s", url, endpoint)
         try:
             while True:
-                frames = await sock.recv_multipart()
-                last_seq, outcome = apply_message(index, frames, last_seq)
+                try:
+                    frames = await sock.recv_multipart()
+                except zmq.ZMQError as exc:  # e.g. a message over MAX_MESSAGE_BYTES: skip it, go on
+                    self.metrics.kv_event_messages.labels(url, "bad").inc()
+                    logger.warning("KV events of %s: %s", url, exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                try:
+                    last_seq, outcome = apply_message(index, frames, last_seq)
+                except Exception:  # noqa: BLE001 - a message no check foresaw: never the subscriber's end
+                    logger.exception("KV events of %s: message skipped", url)
+                    index.clear()
+                    outcome = "bad"
                 self.metrics.kv_event_messages.labels(url, outcome).inc()
                 self.metrics.prefix_index_blocks.labels(url).set(len(index))
                 if outcome == "gap":

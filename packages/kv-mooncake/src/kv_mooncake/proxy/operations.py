@@ -140,11 +140,13 @@ class Operations:
                 for role in ("prefill", "decode")}
 
     async def add(self, change: InstanceChange, client: httpx.AsyncClient) -> dict:
+        added = [(url, *self.upstreams.add(change.role, url)) for url in change.urls]
+        # One probe of each new instance now, all at once (each bounded by health_timeout_s); the
+        # health loop probes the ones that fail until they pass or --join-timeout drops them.
+        await asyncio.gather(*(self.upstreams.probe(client, inst) for _, inst, what in added if what == "joining"))
         results = []
-        for url in change.urls:
-            inst, what = self.upstreams.add(change.role, url)
-            if what == "joining":  # one probe now (bounded by health_timeout_s); else the health loop's
-                await self.upstreams.probe(client, inst)
+        for url, inst, what in added:
+            if what == "joining":
                 what = "waiting for a good health check" if inst.joining else "added"
                 if self.upstreams.pool(change.role).find(url) is not inst:
                     what = "dropped"
