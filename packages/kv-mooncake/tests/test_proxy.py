@@ -14,6 +14,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
@@ -31,7 +32,18 @@ from kv_mooncake import protocol as P
 from kv_mooncake.proxy.app import build_app, prefill_request_body
 from kv_mooncake.proxy.balancer import InstancePool, estimate_prompt_tokens
 from kv_mooncake.proxy.config import ProxyConfig, parse_args
+from kv_mooncake.proxy.kv_events import apply_message
+from kv_mooncake.proxy.operations import (
+    MAX_INSTANCES,
+    InstanceChange,
+    OperationRefused,
+    instance_url,
+    parse_instance_change,
+    parse_reset_query,
+)
+from kv_mooncake.proxy.prefix_index import PrefixIndex, prefill_credit, prompt_keys
 from kv_mooncake.proxy.release import side_channel_addresses
+from kv_mooncake.proxy.routing import choose_path, request_path, token_id_prompt
 from kv_mooncake.side_channel import SideChannelServer
 
 # Bound of every wait in these tests. The upstreams are local and instant, but a loaded CI machine
@@ -87,6 +99,8 @@ class FakeOpenAIServer:
     health_status: int = 200
     requests: list[dict] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # X-Request-Id of requests the proxy abandoned
+    resets: list[dict] = field(default_factory=list)  # query of each POST /reset_prefix_cache
+    reset_success: bool = True
 
     def script(self) -> Script:
         return self.scripts.pop(0) if len(self.scripts) > 1 else self.scripts[0]
@@ -159,6 +173,11 @@ class FakeOpenAIServer:
         @app.get("/health")
         async def health() -> Response:
             return Response(status_code=self.health_status)
+
+        @app.post("/reset_prefix_cache")
+        async def reset(request: Request) -> Response:
+            self.resets.append(dict(request.query_params))
+            return JSONResponse({"success": self.reset_success})
 
         @app.get("/v1/models")
         async def models() -> Response:
@@ -322,10 +341,20 @@ def test_models_health_and_metrics_endpoints():
         assert "kv_proxy_instance_healthy" in text and "kv_proxy_prefill_seconds_bucket" in text
 
 
-def test_n_above_one_is_refused():
+def test_n_above_one_prefills_one_sequence_and_the_decode_runs_n():
     with running() as s:
-        r = _post(s.proxy_url, {**BODY, "n": 2})
-        assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"]
+        r = _post(s.proxy_url, {**BODY, "n": 3, "best_of": 3})
+        assert r.status_code == 200, r.text
+        (pre,), (dec,) = s.prefills[0].requests, s.decodes[0].requests
+        assert pre["body"]["n"] == 1 and "best_of" not in pre["body"] and pre["body"]["max_tokens"] == 1
+        assert dec["body"]["n"] == 3 and dec["body"]["best_of"] == 3
+
+
+@pytest.mark.parametrize("n", [0, -1, "2", 1.5, True, 100000])
+def test_a_bad_n_is_a_400_before_any_leg(n):
+    with running() as s:
+        r = _post(s.proxy_url, {**BODY, "n": n})
+        assert r.status_code == 400 and "n must be" in r.json()["error"]["message"]
         assert s.prefills[0].requests == []
 
 
@@ -592,3 +621,368 @@ def test_command_line_with_vllm_ascend_flags():
         ProxyConfig(prefill_urls=("localhost:8000",), decode_urls=("http://d:1",))
     with pytest.raises(ValueError, match="prefill_timeout_s"):
         ProxyConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",), prefill_timeout_s=0)
+
+
+# ---------------------------------------------------------------------------------------- operations
+def test_instance_bodies_in_vllm_ascend_shapes():
+    assert parse_instance_change({"type": "prefill", "instances": ["127.0.0.1:8102", "h-2.local:8103"]}) == \
+        InstanceChange("prefill", ("http://127.0.0.1:8102", "http://h-2.local:8103"))
+    assert parse_instance_change({"type": "decode", "instances": "127.0.0.1:8201"}).urls == ("http://127.0.0.1:8201",)
+    assert parse_instance_change({"type": "decode", "instance": "http://10.0.0.2:8201/"}).urls == \
+        ("http://10.0.0.2:8201",)
+    assert parse_instance_change({"type": "decode", "instances": ["a:1", "a:1"]}).urls == ("http://a:1",)
+    assert instance_url("[::1]:8100") == "http://[::1]:8100"
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ([], 400, "JSON object"),
+    ({"instances": ["a:1"]}, 400, "'type'"),
+    ({"type": "both", "instances": ["a:1"]}, 400, "'type'"),
+    ({"type": "prefill"}, 400, "non-empty list"),
+    ({"type": "prefill", "instances": []}, 400, "non-empty list"),
+    ({"type": "prefill", "instances": [8100]}, 400, "host:port"),
+    ({"type": "prefill", "instances": ["a"]}, 400, "host:port"),
+    ({"type": "prefill", "instances": ["a:0"]}, 400, "port"),
+    ({"type": "prefill", "instances": ["a:70000"]}, 400, "host:port"),
+    ({"type": "prefill", "instances": ["a:1/v1"]}, 400, "host:port"),
+    ({"type": "prefill", "instances": ["u@a:1"]}, 400, "host:port"),
+    ({"type": "prefill", "instances": ["a b:1"]}, 400, "host:port"),
+    ({"type": "prefill", "instances": ["x" * 300 + ":1"]}, 400, "at most"),
+    ({"type": "prefill", "instances": [f"a:{i + 1}" for i in range(MAX_INSTANCES + 1)]}, 400, "at most"),
+    ({"type": "prefill", "instances": ["a:1"], "instance": "a:1"}, 400, "not both"),
+    ({"type": "prefill", "instances": ["a:1"], "force": True}, 400, "unknown field"),
+])
+def test_bad_instance_bodies_are_refused_with_a_reason(body, status, words):
+    with pytest.raises(OperationRefused) as info:
+        parse_instance_change(body)
+    assert info.value.status == status and words in str(info.value)
+
+
+def test_reset_query_is_vllms_two_flags():
+    assert parse_reset_query({"reset_external": "True"}) == {"reset_external": "true"}
+    with pytest.raises(OperationRefused):
+        parse_reset_query({"reset_external": "yes"})
+    with pytest.raises(OperationRefused):
+        parse_reset_query({"drop": "true"})
+
+
+def test_instances_add_joins_on_a_good_health_check_and_takes_traffic():
+    with running() as s:
+        extra = FakeOpenAIServer("prefill", s.side_channel.port)
+        server = _Uvicorn(extra.app()).start()
+        try:
+            r = httpx.post(s.proxy_url + "/instances/add", timeout=WAIT_S,
+                           json={"type": "prefill", "instances": [f"127.0.0.1:{server.port}"]})
+            assert r.status_code == 200, r.text
+            assert r.json()["results"] == [{"instance": f"127.0.0.1:{server.port}", "result": "added"}]
+            assert f"127.0.0.1:{server.port}" in r.json()["current_prefill_instances"]
+            again = httpx.post(s.proxy_url + "/instances/add", json={"type": "prefill", "instance": server.url},
+                               timeout=WAIT_S)
+            assert again.json()["results"][0]["result"] == "already present"
+            for _ in range(4):
+                assert _post(s.proxy_url, BODY).status_code == 200
+            assert len(extra.requests) == 2 and len(s.prefills[0].requests) == 2  # round-robin on ties
+            assert 'kv_proxy_instance_changes_total{change="added",role="prefill"} 1.0' in \
+                _get(s.proxy_url + "/metrics").text
+        finally:
+            server.stop()
+
+
+def test_an_added_instance_that_never_answers_gets_no_leg_and_is_dropped():
+    with running(join_timeout_s=1.0) as s:
+        dead = f"127.0.0.1:{free_port()}"
+        r = httpx.post(s.proxy_url + "/instances/add", json={"type": "decode", "instances": [dead]}, timeout=WAIT_S)
+        assert r.status_code == 200 and r.json()["results"][0]["result"] == "waiting for a good health check"
+        assert dead not in r.json()["current_decode_instances"]
+        assert [d["state"] for d in _get(s.proxy_url + "/health").json()["decode"]] == ["serving", "joining"]
+        assert _post(s.proxy_url, BODY).status_code == 200 and len(s.decodes[0].requests) == 1
+        _wait(lambda: len(_get(s.proxy_url + "/health").json()["decode"]) == 1, "the joining decode to be dropped")
+
+
+def test_instances_remove_drains_in_flight_requests_then_the_instance_leaves():
+    gate = threading.Event()
+    with running(n_decode=2) as s:
+        s.decodes[0].scripts = [Script(chunks=3, gate=gate)]
+        s.decodes[1].scripts = [Script(chunks=3, gate=gate)]
+        with httpx.stream("POST", s.proxy_url + "/v1/completions", json={**BODY, "stream": True},
+                          timeout=WAIT_S) as stream:
+            events = (ln for ln in stream.iter_lines() if ln.startswith("data: "))
+            next(events)  # the stream runs on one decode, held at its first event
+            busy = next(d for d in s.decodes if d.requests)
+            other = next(d for d in s.decodes if d is not busy)
+            busy_url = next(i.url for i in s.proxy.upstreams.decodes.instances if i.in_flight)
+            r = httpx.post(s.proxy_url + "/instances/remove", json={"type": "decode", "instances": busy_url},
+                           timeout=WAIT_S)
+            assert r.status_code == 200, r.text
+            assert r.json()["results"][0]["result"] == "draining" and r.json()["results"][0]["in_flight"] == 1
+            assert busy_url.split("//")[1] not in r.json()["current_decode_instances"]
+            gate.set()
+            assert _post(s.proxy_url, BODY).status_code == 200  # a new request: never the draining decode
+            assert len(other.requests) == 1 and len(busy.requests) == 1
+            rest = list(events)
+        assert rest[-1] == "data: [DONE]"  # the in-flight request finished on the draining decode
+        _wait(lambda: [d["url"] for d in _get(s.proxy_url + "/health").json()["decode"]] == [
+            i.url for i in s.proxy.upstreams.decodes.instances if i.url != busy_url], "the drained decode to leave")
+        assert len(s.proxy.upstreams.decodes.instances) == 1
+        assert busy_url not in _get(s.proxy_url + "/metrics").text
+
+
+def test_a_removed_prefill_waits_for_its_blocks_to_be_pulled():
+    """The prefill leg is over, but the decode has not produced a byte (it pulls from that prefill):
+    the prefill drains until the decode's first byte."""
+    with running(n_prefill=2) as s:
+        s.decodes[0].scripts = [Script(delay_s=1.0), Script()]
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_post, s.proxy_url, BODY)
+            _wait(lambda: s.decodes[0].requests, "the decode leg")
+            holder = next(i for i in s.proxy.upstreams.prefills.instances if i.holds)
+            r = httpx.post(s.proxy_url + "/instances/remove", json={"type": "prefill", "instances": [holder.url]},
+                           timeout=WAIT_S)
+            assert r.json()["results"][0] == {"instance": holder.url.split("//")[1], "result": "draining",
+                                              "in_flight": 0, "holds": 1}
+            assert pending.result().status_code == 200
+        _wait(lambda: [i.url for i in s.proxy.upstreams.prefills.instances] != [holder.url] and
+              len(s.proxy.upstreams.prefills.instances) == 1, "the drained prefill to leave")
+        assert holder not in s.proxy.upstreams.prefills.instances
+
+
+def test_instances_remove_refuses_unknown_and_the_last_instance():
+    with running() as s:
+        r = httpx.post(s.proxy_url + "/instances/remove", json={"type": "decode", "instances": ["127.0.0.1:1"]},
+                       timeout=WAIT_S)
+        assert r.status_code == 404 and "127.0.0.1:1" in r.json()["error"]["message"]
+        only = s.proxy.upstreams.decodes.instances[0].url
+        r = httpx.post(s.proxy_url + "/instances/remove", json={"type": "decode", "instances": [only]},
+                       timeout=WAIT_S)
+        assert r.status_code == 409 and "add another first" in r.json()["error"]["message"]
+        for bad in (b"{", b"[1]", b"x" * 70000):
+            r = httpx.post(s.proxy_url + "/instances/add", content=bad, timeout=WAIT_S)
+            assert r.status_code in (400, 413) and r.json()["error"]["message"]
+        assert _post(s.proxy_url, BODY).status_code == 200  # nothing changed
+
+
+def test_operations_need_the_admin_key_when_one_is_set():
+    with running(admin_api_key="s3cret") as s:
+        body = {"type": "decode", "instances": ["127.0.0.1:1"]}
+        assert httpx.post(s.proxy_url + "/instances/remove", json=body, timeout=WAIT_S).status_code == 401
+        assert httpx.post(s.proxy_url + "/instances/remove", json=body, headers={"X-Api-Key": "nope"},
+                          timeout=WAIT_S).status_code == 403
+        assert httpx.post(s.proxy_url + "/reset_prefix_cache", timeout=WAIT_S).status_code == 401
+        assert httpx.post(s.proxy_url + "/instances/remove", json=body, headers={"X-Api-Key": "s3cret"},
+                          timeout=WAIT_S).status_code == 404  # through the door; that instance is unknown
+
+
+def test_reset_prefix_cache_reaches_every_instance_and_reports_each():
+    with running(n_prefill=2) as s:
+        r = httpx.post(s.proxy_url + "/reset_prefix_cache?reset_external=true", timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        report = r.json()["instances"]
+        assert sorted(e["role"] for e in report) == ["decode", "prefill", "prefill"]
+        assert all(e["ok"] and e["answer"] == {"success": True} for e in report)
+        assert all(f.resets == [{"reset_external": "true"}] for f in (*s.prefills, *s.decodes))
+        s.decodes[0].reset_success = False  # vLLM: blocks still held by running requests
+        r = httpx.post(s.proxy_url + "/reset_prefix_cache", timeout=WAIT_S)
+        assert r.status_code == 502
+        assert [e["ok"] for e in r.json()["instances"] if e["role"] == "decode"] == [False]
+        assert httpx.post(s.proxy_url + "/reset_prefix_cache?bogus=1", timeout=WAIT_S).status_code == 400
+
+
+# ---------------------------------------------------------------------------------------- conditional disaggregation
+def test_threshold_rule():
+    assert choose_path(10, 0) == "disaggregated"  # 0: off
+    assert choose_path(9, 10) == "decode_only_short"
+    assert choose_path(10, 10) == "disaggregated"
+    assert request_path({"prompt": list(range(63))}, 64) == ("decode_only_short", 63)  # token ids: exact
+    assert request_path({"prompt": "x" * 400}, 64) == ("disaggregated", 101)  # text: 4 chars a token
+    assert request_path({"messages": [{"role": "user", "content": "hi"}]}, 64)[0] == "decode_only_short"
+
+
+def test_short_prompts_run_on_the_decode_alone_and_are_counted():
+    with running(decode_only_below=64) as s:
+        short = _post(s.proxy_url, {**BODY, "prompt": list(range(10)), "kv_transfer_params": {"x": 1}})
+        assert short.status_code == 200 and short.json()["received_kv_transfer_params"] is None
+        assert s.prefills[0].requests == []
+        long = _post(s.proxy_url, {**BODY, "prompt": list(range(64))})
+        assert long.status_code == 200 and long.json()["received_kv_transfer_params"]["remote_block_ids"]
+        text = _get(s.proxy_url + "/metrics").text
+        assert 'kv_proxy_requests_by_path_total{path="decode_only_short"} 1.0' in text
+        assert 'kv_proxy_requests_by_path_total{path="disaggregated"} 1.0' in text
+
+
+# ---------------------------------------------------------------------------------------- routing by KV events
+def _events_message(seq: int, *events: dict) -> list[bytes]:
+    """A message as vLLM 0.32's ZmqEventPublisher sends it: (topic, 8-byte seq, msgpack KVEventBatch)."""
+    import msgspec
+
+    return [b"", seq.to_bytes(8, "big", signed=True), msgspec.msgpack.encode([time.time(), list(events), None])]
+
+
+def _stored(hashes: list, parent, tokens: list[int], block_size: int = 4, **extra) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None, **extra}
+
+
+def test_prefix_index_matches_chains_of_whole_blocks():
+    index = PrefixIndex(max_blocks=100)
+    prompt = list(range(100, 114))  # 3 whole blocks of 4, and 2 tokens
+    assert index.stored([b"h1", b"h2"], None, prompt[:8], 4) == 2
+    assert index.stored([b"h3"], b"h2", prompt[8:12], 4) == 1
+    assert index.matched_blocks(prompt_keys(prompt, 4)) == 3
+    assert index.matched_blocks(prompt_keys([*prompt[:4], 0, 0, 0, 0, *prompt[8:]], 4)) == 1  # diverges
+    assert index.stored([b"x"], b"unknown-parent", [1, 2, 3, 4], 4) == 0  # no chain from the start
+    assert index.stored([b"y"], None, [1, 2, 3], 4) == 0  # not whole blocks
+    index.removed([b"h2"])
+    assert index.matched_blocks(prompt_keys(prompt, 4)) == 1  # a prefix stops at the first missing block
+    index.clear()
+    assert len(index) == 0 and index.matched_blocks(prompt_keys(prompt, 4)) == 0
+
+
+def test_prefix_index_is_bounded_oldest_first():
+    index = PrefixIndex(max_blocks=3)
+    for i in range(5):
+        index.stored([i], None, [i] * 4, 4)
+    assert len(index) == 3
+    assert index.matched_blocks(prompt_keys([0] * 4, 4)) == 0 and index.matched_blocks(prompt_keys([4] * 4, 4)) == 1
+
+
+def test_prefill_credit_is_the_cached_prefix_in_tokens():
+    a, b = PrefixIndex(), PrefixIndex()
+    prompt = list(range(10))
+    a.stored([1, 2], None, prompt[:8], 4)
+    b.stored([9], None, prompt[:4], 4)
+    assert prefill_credit({"A": a, "B": b, "C": PrefixIndex()}, prompt) == {"A": 8, "B": 4}
+    assert prefill_credit({"A": a}, None) == {}
+    assert token_id_prompt({"prompt": [1, 2]}) == [1, 2] and token_id_prompt({"prompt": "text"}) is None
+    assert token_id_prompt({"prompt": [[1, 2]]}) is None and token_id_prompt({"prompt": [True]}) is None
+
+
+def test_kv_event_messages_are_checked_and_gaps_clear_the_index():
+    index = PrefixIndex()
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    seq, outcome = apply_message(index, _events_message(0, _stored([b"a", b"b"], None, prompt)), None)
+    assert (seq, outcome) == (0, "ok") and index.matched_blocks(prompt_keys(prompt, 4)) == 2
+    assert apply_message(index, _events_message(1, {"type": "BlockRemoved", "block_hashes": [b"b"], "medium": None}),
+                         0) == (1, "ok")
+    assert index.matched_blocks(prompt_keys(prompt, 4)) == 1
+    assert apply_message(index, _events_message(2, _stored([b"l"], None, [1, 2, 3, 4], lora_id=3)), 1)[1] == "ok"
+    assert len(index) == 1  # a LoRA's blocks are not indexed
+    for bad in ([b"", b"short", b""], [b"", (3).to_bytes(8, "big"), b"\xc1"],
+                _events_message(3, {"type": "BlockStored", "block_hashes": "x"}), _events_message(3, 7)):
+        assert apply_message(index, bad, 2)[1] == "bad"
+    assert len(index) == 1
+    assert apply_message(index, _events_message(9, {"type": "AllBlocksCleared"}), 3)[1] == "gap"
+    assert len(index) == 0
+    apply_message(index, _events_message(10, _stored([b"a"], None, prompt[:4])), 9)
+    assert apply_message(index, _events_message(0, _stored([b"a"], None, prompt[:4])), 10)[1] == "gap"  # restarted
+
+
+def test_least_loaded_gives_way_to_the_prefix_holder_load_permitting():
+    pool = InstancePool("prefill", ["http://a:1", "http://b:1"])
+    a, b = pool.instances
+    assert pool.pick(credit={"http://b:1": 256}) is b
+    pool.acquire(b, 300)  # b is 300 tokens busier: its 256 cached tokens no longer make up for it
+    assert pool.pick(credit={"http://b:1": 256}) is a
+    assert pool.pick(credit={}) is a
+
+
+def test_prefill_legs_follow_the_kv_events_of_a_prefill():
+    """A real ZMQ PUB socket sends vLLM-shaped events naming the second prefill's cached prefix:
+    token-id prompts with that prefix go there; others balance as before; missing events never fail."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    side = FakeSideChannel()
+    prefills = [FakeOpenAIServer("prefill", side.port) for _ in range(2)]
+    decode = FakeOpenAIServer("decode")
+    servers = [_Uvicorn(f.app()).start() for f in (*prefills, decode)]
+    holder = servers[1].url
+    cfg = ProxyConfig(prefill_urls=(servers[0].url, holder), decode_urls=(servers[2].url,),
+                      kv_events=((holder, f"tcp://127.0.0.1:{port}"), (servers[0].url, "tcp://127.0.0.1:1")),
+                      health_interval_s=0.2, health_timeout_s=WAIT_S)
+    app = build_app(cfg)
+    proxy = _Uvicorn(app).start()
+    try:
+        shared = list(range(1000, 1000 + 16))
+        seq = 0
+        index = app.state.proxy.kv_events.indexes[holder]
+        deadline = time.monotonic() + WAIT_S
+        while not len(index):  # a SUB socket hears only what is sent after it connected
+            assert time.monotonic() < deadline, "the proxy never heard the KV events"
+            pub.send_multipart(_events_message(seq, _stored([11, 12, 13, 14], None, shared)))
+            seq += 1
+            time.sleep(0.05)
+        for i in range(4):
+            assert _post(proxy.url, {**BODY, "prompt": [*shared, i]}).status_code == 200
+        assert len(prefills[1].requests) == 4 and prefills[0].requests == []
+        for _ in range(2):  # no cached prefix: round-robin on ties, as without events
+            assert _post(proxy.url, {**BODY, "prompt": [1, 2, 3]}).status_code == 200
+        assert len(prefills[0].requests) == 1 and len(prefills[1].requests) == 5
+        text = _get(proxy.url + "/metrics").text
+        assert 'kv_proxy_prefix_routed_total{outcome="hit"} 4.0' in text
+        assert f'kv_proxy_prefix_index_blocks{{instance="{holder}"}} 4.0' in text
+    finally:
+        proxy.stop()
+        for s in servers:
+            s.stop()
+        side.server.close()
+        pub.close(0)
+
+
+def test_kv_events_flags():
+    cfg = parse_args(["--prefill", "http://h:1", "--decode", "http://h:2", "--kv-events",
+                      "http://h:1/=tcp://h:5557", "--kv-events-max-blocks", "10"])
+    assert cfg.kv_events == (("http://h:1", "tcp://h:5557"),) and cfg.kv_events_max_blocks == 10
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "http://h:1", "--decode", "http://h:2", "--kv-events", "http://h:1"])
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "http://h:1", "--decode", "http://h:2", "--kv-events", "http://h:1=udp://x"])
+
+
+def test_decode_cached_rule():
+    assert choose_path(1000, 0, 800, 0.75) == "decode_only_cached"
+    assert choose_path(1000, 0, 700, 0.75) == "disaggregated"
+    assert choose_path(1000, 0, 1000, 0.0) == "disaggregated"  # off
+    assert choose_path(10, 0, 0, 0.5) == "disaggregated"  # nothing cached is never "most"
+    assert choose_path(10, 64, 0, 0.5) == "decode_only_short"
+
+
+def test_a_prompt_the_decode_holds_mostly_runs_there_alone():
+    """Two decodes, the second announces (KV events) 4 blocks of 4 tokens: a 17-token prompt with
+    that prefix runs on it without a prefill leg; another prompt is disaggregated as before."""
+    import zmq
+
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    side = FakeSideChannel()
+    prefill = FakeOpenAIServer("prefill", side.port)
+    decodes = [FakeOpenAIServer("decode") for _ in range(2)]
+    servers = [_Uvicorn(f.app()).start() for f in (prefill, *decodes)]
+    holder = servers[2].url
+    cfg = ProxyConfig(prefill_urls=(servers[0].url,), decode_urls=(servers[1].url, holder),
+                      kv_events=((holder, f"tcp://127.0.0.1:{port}"),), decode_only_cached=0.75,
+                      health_interval_s=0.2, health_timeout_s=WAIT_S)
+    app = build_app(cfg)
+    proxy = _Uvicorn(app).start()
+    try:
+        shared = list(range(2000, 2016))
+        index, seq, deadline = app.state.proxy.kv_events.indexes[holder], 0, time.monotonic() + WAIT_S
+        while not len(index):
+            assert time.monotonic() < deadline, "the proxy never heard the KV events"
+            pub.send_multipart(_events_message(seq, _stored([21, 22, 23, 24], None, shared)))
+            seq += 1
+            time.sleep(0.05)
+        r = _post(proxy.url, {**BODY, "prompt": [*shared, 7]})
+        assert r.status_code == 200 and r.json()["received_kv_transfer_params"] is None
+        assert prefill.requests == [] and len(decodes[1].requests) == 1 and decodes[0].requests == []
+        assert _post(proxy.url, {**BODY, "prompt": list(range(17))}).status_code == 200
+        assert len(prefill.requests) == 1
+        text = _get(proxy.url + "/metrics").text
+        assert 'kv_proxy_requests_by_path_total{path="decode_only_cached"} 1.0' in text
+    finally:
+        proxy.stop()
+        for s in servers:
+            s.stop()
+        side.server.close()
+        pub.close(0)

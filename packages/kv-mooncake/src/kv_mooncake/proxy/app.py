@@ -17,7 +17,9 @@ once through its side channel (:mod:`kv_mooncake.proxy.release`) instead of at h
 client leaving closes the running leg's connection, which makes vLLM abort that request.
 
 Here: the FastAPI routes and each request raced against its client leaving. The legs are
-:mod:`.relay`'s, the instances' health and load :mod:`.upstreams`'s, the bodies :mod:`.bodies`'s.
+:mod:`.relay`'s, the instances' health and load :mod:`.upstreams`'s, the bodies :mod:`.bodies`'s,
+the run-time operations (``/instances/add``, ``/instances/remove``, ``/reset_prefix_cache``)
+:mod:`.operations`'s.
 """
 
 from __future__ import annotations
@@ -36,7 +38,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kv_mooncake.proxy.bodies import error_response, prefill_request_body
 from kv_mooncake.proxy.config import ProxyConfig
 from kv_mooncake.proxy.exchange import Exchange
+from kv_mooncake.proxy.kv_events import KvEventsSubscriber
 from kv_mooncake.proxy.metrics import ProxyMetrics
+from kv_mooncake.proxy.operations import (
+    OperationRefused,
+    Operations,
+    check_admin_key,
+    parse_instance_change,
+    parse_json_body,
+    parse_reset_query,
+)
 from kv_mooncake.proxy.relay import Relay, RelayResponse
 from kv_mooncake.proxy.upstreams import Upstreams
 
@@ -63,10 +74,17 @@ class Proxy:
         self.metrics = ProxyMetrics()
         self.upstreams = Upstreams(config, self.metrics)
         self.relay = Relay(config, self.upstreams, self.metrics)
+        self.operations = Operations(self.upstreams)
+        self.kv_events = (KvEventsSubscriber(dict(config.kv_events), config.kv_events_max_blocks, self.metrics)
+                          if config.kv_events else None)
+        if self.kv_events is not None:
+            self.relay.indexes = self.kv_events.indexes
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.relay.start()
+        if self.kv_events is not None:
+            await self.kv_events.start()
         self._health_task = asyncio.create_task(self.upstreams.health_loop(self.relay.client),
                                                 name="kv-proxy-health")
 
@@ -75,6 +93,8 @@ class Proxy:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.relay.stop()
 
     # ---- one client request
@@ -88,10 +108,10 @@ class Proxy:
         if not isinstance(body, dict):
             return self._count(endpoint, error_response(400, "request body must be a JSON object",
                                                         "invalid_request_error"))
-        if body.get("n") not in (None, 1):
-            return self._count(endpoint, error_response(
-                400, "n > 1 is not supported by disaggregated prefill (one prefill serves one sequence)",
-                "invalid_request_error"))
+        n = body.get("n")
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024):
+            return self._count(endpoint, error_response(400, f"n must be an integer from 1 to 1024 (got {n!r:.40})",
+                                                        "invalid_request_error"))
         ex = Exchange(
             request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
             endpoint=endpoint,
@@ -134,6 +154,26 @@ class Proxy:
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         return error_response(503, "no instance answered /v1/models: " + "; ".join(reasons), "service_unavailable")
 
+    # ---- operations
+    async def operate(self, request: Request, what: str) -> Response:
+        """POST /instances/add, /instances/remove, /reset_prefix_cache: checked at the edge, 4xx
+        with an OpenAI error object when refused."""
+        try:
+            check_admin_key(self.config.admin_api_key, request.headers.get("x-api-key"))
+            if what == "reset":
+                query = parse_reset_query(dict(request.query_params))
+                ok, report = await self.operations.reset_prefix_cache(query, self.relay.client,
+                                                                      self.config.health_timeout_s)
+                return JSONResponse(report, status_code=200 if ok else 502)
+            change = parse_instance_change(parse_json_body(await request.body()))
+            if what == "add":
+                return JSONResponse(await self.operations.add(change, self.relay.client))
+            return JSONResponse(self.operations.remove(change))
+        except OperationRefused as exc:
+            kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    409: "conflict_error"}.get(exc.status, "invalid_request_error")
+            return error_response(exc.status, str(exc), kind)
+
     def health(self) -> JSONResponse:
         ok = self.upstreams.can_serve()
         body = {"status": "ok" if ok else "unavailable", **self.upstreams.states()}
@@ -161,6 +201,18 @@ def build_app(config: ProxyConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await proxy.serve(request, "/v1/chat/completions", "chat")
+
+    @app.post("/instances/add")
+    async def instances_add(request: Request) -> Response:
+        return await proxy.operate(request, "add")
+
+    @app.post("/instances/remove")
+    async def instances_remove(request: Request) -> Response:
+        return await proxy.operate(request, "remove")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        return await proxy.operate(request, "reset")
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -1,12 +1,14 @@
 """Which instance serves the next leg: least outstanding tokens, round-robin on ties.
 
 Pure bookkeeping (no I/O, no clock): the proxy calls :meth:`InstancePool.acquire` / ``release``
-around every leg and ``mark_down`` / ``mark_up`` on failures and health probes.
+around every leg and ``mark_down`` / ``mark_up`` on failures and health probes. Instances added at
+run time join on their first good health probe; removed ones drain (no new legs) and leave the pool
+once nothing of theirs is in flight (:mod:`.operations`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 
@@ -18,6 +20,20 @@ class Instance:
     outstanding_tokens: int = 0
     in_flight: int = 0
     last_error: str = ""
+    # A prefill's answered requests whose blocks no decode has pulled yet (the decode's first byte
+    # ends that): a draining prefill leaves only when this is 0 too.
+    holds: int = 0
+    joining: bool = False  # added at run time, waiting for its first good health probe
+    draining: bool = False  # removed at run time: no new legs, leaves once idle
+
+    @property
+    def in_rotation(self) -> bool:
+        """May get new legs (when healthy, or when no instance of its role is)."""
+        return not (self.joining or self.draining)
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight == 0 and self.holds == 0
 
 
 class InstancePool:
@@ -28,15 +44,20 @@ class InstancePool:
         self.instances = [Instance(url=u, role=role) for u in urls]
         self._next = 0  # round-robin cursor: where the next tie-break starts
 
-    def pick(self, exclude: Collection[str] = ()) -> Instance | None:
-        """The healthy instance with the fewest outstanding tokens (ties: round-robin), or, when
-        none is healthy, a taken-out one (a request still gets its try; the failure is fast)."""
+    def pick(self, exclude: Collection[str] = (), credit: Mapping[str, int] | None = None) -> Instance | None:
+        """The healthy instance in rotation with the fewest outstanding tokens (ties: round-robin),
+        or, when none is healthy, a taken-out one (a request still gets its try; the failure is
+        fast). Joining and draining instances never get a leg. ``credit``: prompt tokens an
+        instance has cached already (KV events), taken off its load: the holder of a prefix wins
+        unless it carries that many more outstanding tokens than another."""
         n = len(self.instances)
-        candidates = [(i, x) for i, x in enumerate(self.instances) if x.url not in exclude]
+        candidates = [(i, x) for i, x in enumerate(self.instances) if x.url not in exclude and x.in_rotation]
         pool = [c for c in candidates if c[1].healthy] or candidates
         if not pool:
             return None
-        index, chosen = min(pool, key=lambda c: (c[1].outstanding_tokens, (c[0] - self._next) % n))
+        credit = credit or {}
+        index, chosen = min(pool, key=lambda c: (c[1].outstanding_tokens - credit.get(c[1].url, 0),
+                                                 (c[0] - self._next) % n))
         self._next = (index + 1) % n
         return chosen
 
@@ -61,7 +82,29 @@ class InstancePool:
         return not was
 
     def any_healthy(self) -> bool:
-        return any(x.healthy for x in self.instances)
+        return any(x.healthy and x.in_rotation for x in self.instances)
+
+    def find(self, url: str) -> Instance | None:
+        return next((x for x in self.instances if x.url == url), None)
+
+    def add(self, url: str, joining: bool = True) -> Instance:
+        """A new instance (out of rotation until its first good probe when ``joining``)."""
+        if self.find(url) is not None:
+            raise ValueError(f"{self.role} {url} is in the pool already")
+        inst = Instance(url=url, role=self.role, healthy=not joining, joining=joining)
+        self.instances.append(inst)
+        return inst
+
+    def discard(self, inst: Instance) -> None:
+        """Out of the pool for good (a drained or abandoned instance)."""
+        with_index = [i for i, x in enumerate(self.instances) if x is inst]
+        if not with_index:
+            return
+        del self.instances[with_index[0]]
+        if self.instances:
+            self._next %= len(self.instances)
+        else:
+            self._next = 0
 
 
 def estimate_prompt_tokens(body: dict) -> int:

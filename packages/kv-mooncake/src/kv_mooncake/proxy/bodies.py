@@ -8,15 +8,19 @@ from fastapi.responses import JSONResponse
 
 
 def prefill_request_body(body: dict) -> dict:
-    """The prefill leg: the client's request, one token, not streamed, asking the prefill to keep
+    """The prefill leg: the client's request, one token, one sequence (``n`` 1: the decode runs
+    the client's ``n`` samples from the one prompt's KV), not streamed, asking the prefill to keep
     its blocks for a remote decode (extra ``kv_transfer_params`` of the client kept)."""
     out = dict(body)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    for key in ("stream_options", "min_tokens"):  # invalid without streaming / above max_tokens
+    # invalid without streaming / above max_tokens / one prefill serves the decode's n samples
+    for key in ("stream_options", "min_tokens", "best_of"):
         out.pop(key, None)
+    if "n" in out:
+        out["n"] = 1
     client_params = body.get("kv_transfer_params")
     if not isinstance(client_params, dict):
         client_params = {}

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -31,7 +32,22 @@ class ProxyConfig:
     release_on_abort: bool = True
     release_timeout_s: float = 10.0
     default_max_tokens: int = 16  # load estimate for requests without max_tokens
+    # An instance added at run time (/instances/add) that passes no health check in this long is dropped.
+    join_timeout_s: float = 600.0
+    # Conditional disaggregation: a prompt of fewer tokens than this (estimated, see
+    # kv_mooncake.proxy.routing) runs on a decode alone. 0: off, every request is disaggregated.
+    decode_only_below: int = 0
+    # ... and a token-id prompt of which a decode holds at least this fraction (its KV events: a
+    # --kv-events entry for the decode). 0: off.
+    decode_only_cached: float = 0.0
+    # Routing by KV events: (instance URL, its vLLM --kv-events-config ZMQ endpoint) pairs; a prefill
+    # leg of a token-id prompt goes where the longest prefix is cached, load permitting.
+    kv_events: tuple[tuple[str, str], ...] = ()
+    kv_events_max_blocks: int = 200_000  # per instance
     log_level: str = "info"
+    # POST /instances/add, /instances/remove and /reset_prefix_cache need the header X-Api-Key with
+    # this value when set (vllm-ascend's proxy reads it from ADMIN_API_KEY too); open when None.
+    admin_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls:
@@ -43,9 +59,21 @@ class ProxyConfig:
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
                 raise ValueError(f"instance URL {url!r} must look like http://HOST:PORT")
         for name in ("connect_timeout_s", "prefill_timeout_s", "first_byte_timeout_s", "idle_timeout_s",
-                     "request_timeout_s", "health_interval_s", "health_timeout_s", "release_timeout_s"):
+                     "request_timeout_s", "health_interval_s", "health_timeout_s", "release_timeout_s",
+                     "join_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)!r})")
+        if not 0 <= self.decode_only_below <= 1 << 24:
+            raise ValueError(f"decode_only_below must be between 0 and {1 << 24} tokens (got {self.decode_only_below!r})")
+        if not 0.0 <= self.decode_only_cached <= 1.0:
+            raise ValueError(f"decode_only_cached must be a fraction from 0 to 1 (got {self.decode_only_cached!r})")
+        for url, endpoint in self.kv_events:
+            if not endpoint.startswith(("tcp://", "ipc://")) or len(endpoint) > 255:
+                raise ValueError(f"KV events endpoint {endpoint!r} of {url} must be tcp://HOST:PORT or ipc://PATH")
+        if len({url for url, _ in self.kv_events}) != len(self.kv_events):
+            raise ValueError("one --kv-events endpoint per instance")
+        if self.kv_events_max_blocks < 1:
+            raise ValueError("kv_events_max_blocks must be >= 1")
         if self.fallback not in ("none", "decode-only"):
             raise ValueError(f"fallback must be 'none' or 'decode-only' (got {self.fallback!r})")
 
@@ -97,6 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-release-on-abort", action="store_true",
                    help="do not free a prefill's held blocks through its side channel when a request "
                         "ends before its decode started (they are then freed on expiry)")
+    p.add_argument("--join-timeout", type=float, default=d["join_timeout_s"].default,
+                   help="an instance added with POST /instances/add that passes no health check in this "
+                        "many seconds is dropped")
+    p.add_argument("--decode-only-below", type=int, default=d["decode_only_below"].default, metavar="TOKENS",
+                   help="conditional disaggregation: a prompt shorter than TOKENS (token-id prompts "
+                        "counted exactly, text estimated at 4 characters per token) runs on a decode "
+                        "alone, without a prefill leg; 0 (default) disaggregates every request")
+    p.add_argument("--decode-only-cached", type=float, default=d["decode_only_cached"].default,
+                   metavar="FRACTION",
+                   help="conditional disaggregation: a token-id prompt of which a decode holds at least "
+                        "FRACTION already (from that decode's --kv-events) runs on that decode alone; "
+                        "0 (default) turns the rule off")
+    p.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT",
+                   help="route prefill legs by where the prompt's prefix is cached: the instance URL and "
+                        "the ZMQ endpoint of its vLLM --kv-events-config publisher, e.g. "
+                        "http://127.0.0.1:8100=tcp://127.0.0.1:5557 (repeat per instance)")
+    p.add_argument("--kv-events-max-blocks", type=int, default=d["kv_events_max_blocks"].default,
+                   help="bound of the prefix index kept per instance, in blocks")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -106,6 +152,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     a = parser.parse_args(argv)
     try:
         prefill = [*a.prefill, *_urls(a.prefiller_hosts, a.prefiller_ports, "prefiller")]
+        kv_events = []
+        for item in a.kv_events:
+            url, sep, endpoint = item.partition("=")
+            if not sep:
+                raise ValueError(f"--kv-events {item!r}: expected URL=ENDPOINT")
+            kv_events.append((url.rstrip("/"), endpoint))
         decode = [*a.decode, *_urls(a.decoder_hosts, a.decoder_ports, "decoder")]
         return ProxyConfig(
             prefill_urls=tuple(u.rstrip("/") for u in prefill),
@@ -115,7 +167,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
             first_byte_timeout_s=a.first_byte_timeout, idle_timeout_s=a.idle_timeout,
             request_timeout_s=a.request_timeout, health_interval_s=a.health_interval,
             health_timeout_s=a.health_timeout, release_on_abort=not a.no_release_on_abort,
-            log_level=a.log_level,
+            admin_api_key=os.environ.get("ADMIN_API_KEY") or None, join_timeout_s=a.join_timeout,
+            decode_only_below=a.decode_only_below, decode_only_cached=a.decode_only_cached, kv_events=tuple(kv_events),
+            kv_events_max_blocks=a.kv_events_max_blocks, log_level=a.log_level,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -50,6 +50,7 @@ class Exchange:
     params: dict | None = None  # the prefill's kv_transfer_params, once known
     first_byte: bool = False  # a decode produced a byte: it has the KV, nothing left to release
     released: bool = False
+    prefill: Instance | None = None  # the prefill holding this request's blocks until a decode pulls them
     t0: float = field(default_factory=time.monotonic)
 
     def remaining(self) -> float:

@@ -23,6 +23,24 @@ class ProxyMetrics:
         self.releases = Counter("kv_proxy_prefill_releases",
                                 "FreeNow sent to a prefill whose blocks no decode will pull", ["result"],
                                 registry=r)
+        self.instance_changes = Counter("kv_proxy_instance_changes",
+                                        "Instances that joined or left the pool at run time",
+                                        ["role", "change"], registry=r)
+        self.requests_by_path = Counter("kv_proxy_requests_by_path",
+                                        "Client requests by how they were served: disaggregated (prefill "
+                                        "then decode), decode_only_short (below --decode-only-below), "
+                                        "decode_only_cached (a decode held most of it), decode_only_fallback "
+                                        "(no prefill could serve)", ["path"], registry=r)
+        self.kv_event_messages = Counter("kv_proxy_kv_event_messages",
+                                         "KV event messages from an instance: ok, gap (index cleared), bad",
+                                         ["instance", "outcome"], registry=r)
+        self.prefix_index_blocks = Gauge("kv_proxy_prefix_index_blocks",
+                                         "Blocks the proxy knows an instance holds (from its KV events)",
+                                         ["instance"], registry=r)
+        self.prefix_routed = Counter("kv_proxy_prefix_routed",
+                                     "Prefill legs by whether the chosen instance held a prefix of the prompt "
+                                     "(hit) or not (miss; token-id prompts with --kv-events only)",
+                                     ["outcome"], registry=r)
         self.healthy = Gauge("kv_proxy_instance_healthy", "1 when the instance is in rotation",
                              ["role", "instance"], registry=r)
         self.outstanding = Gauge("kv_proxy_outstanding_tokens", "Estimated tokens in flight",

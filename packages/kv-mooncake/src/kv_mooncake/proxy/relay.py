@@ -22,7 +22,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kv_mooncake.proxy.balancer import Instance, InstancePool, estimate_prompt_tokens, requested_max_tokens
+from kv_mooncake.proxy.balancer import Instance, InstancePool, requested_max_tokens
 from kv_mooncake.proxy.bodies import (
     decode_request_body,
     error_response,
@@ -39,7 +39,9 @@ from kv_mooncake.proxy.exchange import (
     Unavailable,
 )
 from kv_mooncake.proxy.metrics import ProxyMetrics
+from kv_mooncake.proxy.prefix_index import PrefixIndex, prefill_credit
 from kv_mooncake.proxy.release import release_prefill_blocks
+from kv_mooncake.proxy.routing import request_path, token_id_prompt
 from kv_mooncake.proxy.upstreams import Upstreams
 
 logger = logging.getLogger("kv_mooncake.proxy")
@@ -71,6 +73,7 @@ class Relay:
         self.metrics = metrics
         self._client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Task] = set()
+        self.indexes: dict[str, PrefixIndex] = {}  # instance URL -> its prefix index (KV events)
 
     # ---- lifecycle
     async def start(self) -> None:
@@ -137,11 +140,11 @@ class Relay:
             raise PassThrough(response.status_code, await self._read_bounded(response),
                               response.headers.get("content-type"))
 
-    def _attempts(self, pool: InstancePool) -> Iterator[Instance]:
+    def _attempts(self, pool: InstancePool, credit: dict[str, int] | None = None) -> Iterator[Instance]:
         """The instance for a leg and, after a retry-worthy failure, one other (tried once more)."""
         tried: list[str] = []
         for attempt in range(2):
-            inst = pool.pick(exclude=tried)
+            inst = pool.pick(exclude=tried, credit=credit)
             if inst is None:
                 return
             if attempt:
@@ -176,10 +179,22 @@ class Relay:
             await response.aclose()
         return params
 
+    def _unhold(self, ex: Exchange) -> None:
+        """The prefill's blocks are pulled (a decode's first byte) or never will be: a draining
+        prefill may leave once nothing else of it is in flight."""
+        if ex.prefill is not None:
+            self.upstreams.unhold(ex.prefill)
+            ex.prefill = None
+
     async def _prefill(self, path: str, body: dict, ex: Exchange, tokens: int) -> dict:
         leg_body = prefill_request_body(body)
         reasons: list[str] = []
-        for inst in self._attempts(self.upstreams.prefills):
+        credit = None
+        if self.indexes:
+            credit = prefill_credit(self.indexes, token_id_prompt(body))
+        for inst in self._attempts(self.upstreams.prefills, credit):
+            if credit is not None and token_id_prompt(body) is not None:
+                self.metrics.prefix_routed.labels("hit" if credit.get(inst.url) else "miss").inc()
             self.upstreams.acquire(inst, tokens)
             t0 = time.monotonic()
             try:
@@ -198,6 +213,8 @@ class Relay:
                 self.upstreams.release(inst, tokens)
             self.metrics.prefill_seconds.observe(time.monotonic() - t0)
             self.upstreams.succeeded(inst)
+            self.upstreams.hold(inst)
+            ex.prefill = inst
             return params
         raise Unavailable("prefill", reasons)
 
@@ -215,9 +232,17 @@ class Relay:
             raise
         return DecodeLeg(inst, tokens, response, chunks, first)
 
-    async def _decode(self, path: str, body: dict, ex: Exchange, tokens: int, stream: bool) -> DecodeLeg:
+    def _decode_credit(self, body: dict) -> dict[str, int]:
+        """Per decode URL, prompt tokens it holds (KV events), when --decode-only-cached asks."""
+        if not self.config.decode_only_cached or not self.indexes:
+            return {}
+        decodes = {i.url for i in self.upstreams.decodes.instances}
+        return prefill_credit({u: x for u, x in self.indexes.items() if u in decodes}, token_id_prompt(body))
+
+    async def _decode(self, path: str, body: dict, ex: Exchange, tokens: int, stream: bool,
+                      credit: dict[str, int] | None = None) -> DecodeLeg:
         reasons: list[str] = []
-        for inst in self._attempts(self.upstreams.decodes):  # a retry keeps the kv_transfer_params
+        for inst in self._attempts(self.upstreams.decodes, credit):  # a retry keeps the kv_transfer_params
             # A non-streamed answer arrives whole: its first byte is its last, bounded by the request.
             first_byte_s = ex.budget(self.config.first_byte_timeout_s if stream else self.config.request_timeout_s)
             self.upstreams.acquire(inst, tokens)
@@ -259,20 +284,30 @@ class Relay:
     # ---- one client request
     async def handle(self, ex: Exchange, path: str, body: dict) -> Response:
         stream = bool(body.get("stream"))
-        prompt_tokens = estimate_prompt_tokens(body)
+        decode_credit = self._decode_credit(body)
+        chosen, prompt_tokens = request_path(body, self.config.decode_only_below,
+                                             max(decode_credit.values(), default=0), self.config.decode_only_cached)
+        route: str = chosen
         headers = {"X-Request-Id": ex.request_id}
         leg: DecodeLeg | None = None
         try:
-            try:
-                ex.params = await self._prefill(path, body, ex, prompt_tokens)
-            except Unavailable as exc:
-                if self.config.fallback != "decode-only":
-                    return error_response(503, str(exc), "service_unavailable", ex.request_id)
-                logger.warning("request %s: %s; decode-only fallback", ex.request_id, exc)
-                self.metrics.fallbacks.inc()
-            decode_tokens = prompt_tokens + requested_max_tokens(body, self.config.default_max_tokens)
-            leg = await self._decode(path, decode_request_body(body, ex.params), ex, decode_tokens, stream)
+            if route == "disaggregated":
+                try:
+                    ex.params = await self._prefill(path, body, ex, prompt_tokens)
+                except Unavailable as exc:
+                    if self.config.fallback != "decode-only":
+                        return error_response(503, str(exc), "service_unavailable", ex.request_id)
+                    logger.warning("request %s: %s; decode-only fallback", ex.request_id, exc)
+                    self.metrics.fallbacks.inc()
+                    route = "decode_only_fallback"
+            self.metrics.requests_by_path.labels(route).inc()
+            n = body.get("n")
+            samples = n if isinstance(n, int) and n > 0 else 1
+            decode_tokens = prompt_tokens + samples * requested_max_tokens(body, self.config.default_max_tokens)
+            leg = await self._decode(path, decode_request_body(body, ex.params), ex, decode_tokens, stream,
+                                     decode_credit if route == "decode_only_cached" else None)
             ex.first_byte = True
+            self._unhold(ex)
             self.metrics.ttfb_seconds.observe(time.monotonic() - ex.t0)
             if stream:
                 response = RelayResponse(self._relay(leg, ex), status_code=leg.response.status_code,
@@ -299,6 +334,7 @@ class Relay:
             if leg is not None:
                 self._close_leg(leg)
             self.release_if_unpulled(ex)
+            self._unhold(ex)
 
     async def _relay(self, leg: DecodeLeg, ex: Exchange) -> AsyncIterator[bytes]:
         if leg.first:

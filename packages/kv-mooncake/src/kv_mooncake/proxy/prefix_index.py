@@ -1,0 +1,110 @@
+"""Which prompt prefix each instance holds, from vLLM's KV events: a bounded index per instance.
+
+vLLM (``--kv-events-config``, publisher ``zmq``) announces every block it caches (``BlockStored``:
+its hash, its parent's hash, its token ids) and every block it evicts (``BlockRemoved``), or that
+it dropped them all (``AllBlocksCleared``). vLLM's block hashes depend on a per-process seed, so
+the proxy cannot recompute them from a prompt; it keys each block by its own chain key instead:
+a hash of (parent's chain key, the block's token ids), computed alike from the events and from a
+prompt's token ids. Pure bookkeeping, no I/O: :mod:`.kv_events` feeds it.
+
+Bounded: at most ``max_blocks`` per instance (the oldest go first). An event about a block whose
+parent the index never saw (missed or evicted here) is dropped: a prefix is only ever matched
+from its first block. A gap in the event sequence clears the instance's index (a missed
+``BlockRemoved`` would leave a block the instance no longer has).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+ROOT = 0  # the chain key before a prompt's first block
+
+
+def chain_key(parent: int, tokens: Sequence[int]) -> int:
+    """The proxy's key of a block: deterministic across processes (ints and tuples of ints only)."""
+    return hash((parent, tuple(tokens)))
+
+
+def prompt_keys(token_ids: Sequence[int], block_size: int, limit: int = 1 << 16) -> list[int]:
+    """Chain keys of a prompt's full blocks, in order (at most ``limit``)."""
+    keys, parent = [], ROOT
+    for start in range(0, min(len(token_ids) // block_size, limit) * block_size, block_size):
+        parent = chain_key(parent, token_ids[start:start + block_size])
+        keys.append(parent)
+    return keys
+
+
+class PrefixIndex:
+    """One instance's cached blocks as chain keys."""
+
+    def __init__(self, max_blocks: int = 200_000) -> None:
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be >= 1")
+        self.max_blocks = max_blocks
+        self.block_size: int | None = None
+        self._keys: OrderedDict[int, Hashable] = OrderedDict()  # chain key -> vLLM's hash
+        self._by_hash: dict[Hashable, int] = {}  # vLLM's hash -> chain key
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._by_hash.clear()
+
+    def stored(self, block_hashes: Sequence[Hashable], parent_hash: Hashable | None, token_ids: Sequence[int],
+               block_size: int) -> int:
+        """A ``BlockStored``; returns how many blocks were indexed."""
+        if block_size < 1 or len(token_ids) != len(block_hashes) * block_size:
+            return 0  # not a run of full blocks of this shape: ignore rather than guess
+        if self.block_size != block_size:
+            self.clear()
+            self.block_size = block_size
+        if parent_hash is None:
+            parent = ROOT
+        elif parent_hash in self._by_hash:
+            parent = self._by_hash[parent_hash]
+        else:
+            return 0
+        for i, vllm_hash in enumerate(block_hashes):
+            parent = chain_key(parent, token_ids[i * block_size:(i + 1) * block_size])
+            self._keys[parent] = vllm_hash
+            self._keys.move_to_end(parent)
+            self._by_hash[vllm_hash] = parent
+        while len(self._keys) > self.max_blocks:
+            _, old_hash = self._keys.popitem(last=False)
+            self._by_hash.pop(old_hash, None)
+        return len(block_hashes)
+
+    def removed(self, block_hashes: Sequence[Hashable]) -> None:
+        for vllm_hash in block_hashes:
+            key = self._by_hash.pop(vllm_hash, None)
+            if key is not None:
+                self._keys.pop(key, None)
+
+    def matched_blocks(self, keys: Sequence[int]) -> int:
+        """How many leading blocks of a prompt (its :func:`prompt_keys`) this instance holds."""
+        n = 0
+        for key in keys:
+            if key not in self._keys:
+                break
+            n += 1
+        return n
+
+
+def prefill_credit(indexes: dict[str, PrefixIndex], token_ids: Sequence[int] | None) -> dict[str, int]:
+    """Per instance URL: prompt tokens it holds already (its longest cached prefix), for the
+    balancer to subtract from its load. Empty without token ids or without any index."""
+    if token_ids is None:
+        return {}
+    credit: dict[str, int] = {}
+    keys_by_size: dict[int, list[int]] = {}
+    for url, index in indexes.items():
+        if index.block_size is None or not len(index):
+            continue
+        keys = keys_by_size.setdefault(index.block_size, prompt_keys(token_ids, index.block_size))
+        blocks = index.matched_blocks(keys)
+        if blocks:
+            credit[url] = blocks * index.block_size
+    return credit
