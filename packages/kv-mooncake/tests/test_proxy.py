@@ -986,3 +986,18 @@ def test_a_prompt_the_decode_holds_mostly_runs_there_alone():
             s.stop()
         side.server.close()
         pub.close(0)
+
+
+@pytest.mark.parametrize(("host", "key", "warns"), [
+    ("127.0.0.1", None, False), ("localhost", None, False), ("::1", None, False),
+    ("0.0.0.0", None, True), ("10.0.0.5", None, True), ("proxy.internal", None, True), ("0.0.0.0", "s3cret", False),
+])
+def test_operations_open_beyond_loopback_are_warned_about(host, key, warns):
+    from kv_mooncake.proxy.config import ProxyConfig, open_operations_warning
+
+    config = ProxyConfig(prefill_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:2",), host=host,
+                         admin_api_key=key)
+    warning = open_operations_warning(config)
+    assert (warning is not None) == warns
+    if warning:
+        assert "ADMIN_API_KEY" in warning and host in warning and "s3cret" not in warning

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kv_mooncake.proxy.config import parse_args
+from kv_mooncake.proxy.config import open_operations_warning, parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -18,6 +18,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("kv_mooncake.proxy").info(
         "kv-mooncake-proxy on %s:%d, prefill %s, decode %s, fallback %s",
         config.host, config.port, list(config.prefill_urls), list(config.decode_urls), config.fallback)
+    warning = open_operations_warning(config)
+    if warning:
+        logging.getLogger("kv_mooncake.proxy").warning(warning)
     uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=config.log_level,
                 timeout_graceful_shutdown=5)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -145,6 +146,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound of the prefix index kept per instance, in blocks")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
+
+
+def open_operations_warning(config: ProxyConfig) -> str | None:
+    """What to warn about at start-up: the run-time operations (add / remove instances, reset every
+    prefix cache) reachable beyond loopback without ``ADMIN_API_KEY``. None when nothing is open."""
+    if config.admin_api_key is not None:
+        return None
+    try:
+        if ipaddress.ip_address(config.host.strip("[]")).is_loopback:
+            return None
+    except ValueError:
+        if config.host == "localhost":
+            return None
+    return (f"kv-mooncake-proxy listens on {config.host}, beyond loopback, and ADMIN_API_KEY is not set: anyone "
+            "who reaches this port may add or remove instances and reset their prefix caches; set ADMIN_API_KEY "
+            "(the operations then need the X-Api-Key header) or bind to a trusted network only")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
