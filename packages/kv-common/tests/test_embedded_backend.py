@@ -231,3 +231,13 @@ def test_a_subclass_that_overrides_calls_is_unbounded_unless_it_says_so():
     assert Gated(1 << 20).call_bound_s(1 << 20) is None
     assert SaysSo(1 << 20).call_bound_s(1 << 20) == EmbeddedBackend(1 << 20).call_bound_s(1 << 20)
     assert Backend.pass_bytes == EmbeddedBackend.pass_bytes  # memory speed: cache-sized passes
+
+
+def test_medium_values_are_vllms():
+    """The Backend's kv_event_medium values are vLLM's own strings (checked against vLLM where it is
+    installed: kv-store's tests), so a router reading kv-store's events needs no mapping."""
+    from kv_common.backend import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, Backend
+    from kv_common.embedded_backend import EmbeddedBackend
+
+    assert (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE) == ("GPU", "CPU", "STORAGE")
+    assert Backend.kv_event_medium == EmbeddedBackend.kv_event_medium == MEDIUM_CPU

@@ -1001,3 +1001,24 @@ def test_operations_open_beyond_loopback_are_warned_about(host, key, warns):
     assert (warning is not None) == warns
     if warning:
         assert "ADMIN_API_KEY" in warning and host in warning and "s3cret" not in warning
+
+
+def test_prefix_index_keeps_a_block_while_any_tier_holds_it():
+    """vLLM's prefix cache announces GPU blocks; kv-store announces the same block hashes in its
+    backend's tier (vLLM's CPU / STORAGE values). Evicted from the GPU, a block the store still holds
+    is still this instance's prefix (it loads it instead of computing it); gone from both, it is not."""
+    index = PrefixIndex()
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    keys = prompt_keys(prompt, 4)
+    last = apply_message(index, _events_message(0, _stored([b"a", b"b"], None, prompt),
+                                                _stored([b"a", b"b"], None, prompt, medium="CPU")), None)[0]
+    assert index.media(keys[1]) == {"GPU", "CPU"}
+    remove = {"type": "BlockRemoved", "block_hashes": [b"a", b"b"]}
+    last = apply_message(index, _events_message(1, {**remove, "medium": "GPU"}), last)[0]
+    assert index.matched_blocks(keys) == 2 and index.media(keys[0]) == {"CPU"}
+    last = apply_message(index, _events_message(2, {**remove, "medium": "CPU"}), last)[0]
+    assert index.matched_blocks(keys) == 0 and len(index) == 0
+    # no medium: vLLM's GPU cache; an oversized medium string is not taken as a tier name
+    apply_message(index, _events_message(3, _stored([b"a"], None, prompt[:4], medium=None),
+                                         _stored([b"a"], None, prompt[:4], medium="x" * 33)), last)
+    assert index.media(keys[0]) == {"GPU"}

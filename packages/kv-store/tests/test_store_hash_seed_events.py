@@ -61,7 +61,25 @@ def test_block_stored_events_have_parent_and_tokens():
     assert [e.block_hashes for e in events] == [[h[0]], [h[2]]]
     assert events[0].parent_block_hash is None and events[0].token_ids == [100, 101, 102, 103]
     assert events[1].parent_block_hash == h[1] and events[1].token_ids == [108, 109, 110, 111]
-    assert events[0].medium == "store"
+    # vLLM's own medium values (vllm.distributed.kv_events.MEDIUM_*): a router reading the events
+    # tells a host-memory copy from a GPU one; the embedded store holds values in host memory.
+    from vllm.distributed.kv_events import MEDIUM_CPU
+
+    assert {e.medium for e in events} == {MEDIUM_CPU}
+    sched.on_worker_report(StoreReport(removed=[h[0]]))
+    assert [e.medium for e in sched.take_events()] == [MEDIUM_CPU]
+
+
+def test_each_backend_names_its_tier_in_vllms_medium_values():
+    pytest.importorskip("vllm")
+    from kv_common.embedded_backend import EmbeddedBackend
+    from kv_store.mooncake_backend import MooncakeBackend
+    from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
+
+    assert EmbeddedBackend.kv_event_medium == MEDIUM_CPU  # host memory (its spill files are a cold copy)
+    assert MooncakeBackend.kv_event_medium == MEDIUM_CPU  # the pool's DRAM segments
+    assert {EmbeddedBackend.kv_event_medium, MooncakeBackend.kv_event_medium} <= {MEDIUM_GPU, MEDIUM_CPU,
+                                                                                  MEDIUM_STORAGE}
 
 
 def test_chained_blocks_make_one_event():

@@ -197,3 +197,12 @@ def test_argument_checks():
     with pytest.raises(ValueError):
         backend.batch_get_into(["a"], [])
     assert backend.batch_put([], []) == [] and backend.batch_get_into([], []) == [] and backend.batch_exists([]) == []
+
+
+def test_ucm_values_are_announced_as_storage_in_kv_events():
+    """kv-store's BlockStored / BlockRemoved name the tier in vLLM's medium values: UCM's Posix store
+    is disk (local or NFS), so a router can rank it below a copy in host memory."""
+    from kv_common.backend import MEDIUM_STORAGE
+    from kv_ucm.ucm_backend import UcmBackend
+
+    assert UcmBackend.kv_event_medium == MEDIUM_STORAGE == "STORAGE"

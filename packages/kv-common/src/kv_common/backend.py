@@ -25,6 +25,10 @@ def scatter_into_parts(value: bytes | bytearray | memoryview | None, parts: Sequ
     return total
 
 
+# vLLM's KV-event medium values (vllm.distributed.kv_events.MEDIUM_*), without importing vLLM here.
+MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE = "GPU", "CPU", "STORAGE"
+
+
 class BackendError(RuntimeError):
     def __init__(self, backend: str, operation: str, code: int | None = None, detail: str = ""):
         self.backend, self.operation, self.code = backend, operation, code
@@ -60,6 +64,9 @@ class Backend(ABC):
 
     name: str = "backend"
     pass_bytes: int | None = CACHE_PASS_BYTES
+    # Where the values live, in vLLM's KV-event medium values (vllm.distributed.kv_events: "GPU",
+    # "CPU", "STORAGE"): a router reading the store's BlockStored / BlockRemoved tells the tiers apart.
+    kv_event_medium: str = MEDIUM_CPU
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

@@ -296,7 +296,7 @@ class StoreScheduler:
         for parent, hashes, tokens in runs:
             out.append(events.BlockStored(
                 block_hashes=hashes, parent_block_hash=parent, token_ids=tokens or [],
-                block_size=self.block_size, lora_id=None, medium="store", lora_name=None,
+                block_size=self.block_size, lora_id=None, medium=self.backend.kv_event_medium, lora_name=None,
             ))
         return out
 
@@ -367,7 +367,7 @@ class StoreScheduler:
         if complete:
             self._events.extend(self._stored_events(events, complete))
         if report.removed:
-            self._events.append(events.BlockRemoved(block_hashes=list(report.removed), medium="store"))
+            self._events.append(events.BlockRemoved(block_hashes=list(report.removed), medium=self.backend.kv_event_medium))
 
     def _rewind_saves(self, removed: Sequence[bytes]) -> None:
         """A block missing or corrupt at load time is recomputed by vLLM: save it (and what follows)

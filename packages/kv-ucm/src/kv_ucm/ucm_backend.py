@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kv_common.backend import Backend
+from kv_common.backend import MEDIUM_STORAGE, Backend
 from kv_common.logging_utils import get_logger
 
 from kv_ucm.block_ids import ucm_key_id
@@ -55,6 +55,7 @@ def _posix_backend_dirs(config: Mapping[str, Any]) -> list[str]:
 
 class UcmBackend(Backend):
     name = "ucm"
+    kv_event_medium = MEDIUM_STORAGE  # UCM's Posix store: local disk or NFS
 
     def __init__(
         self,

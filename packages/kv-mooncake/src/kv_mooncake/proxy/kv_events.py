@@ -34,6 +34,11 @@ def _hash_list(value: object) -> bool:
     return isinstance(value, list) and len(value) <= 1 << 16 and all(isinstance(x, (int, bytes)) for x in value)
 
 
+def _medium(value: object) -> str | None:
+    """An event's medium (vLLM's values: GPU, CPU, STORAGE; others kept as they are), bounded."""
+    return value if isinstance(value, str) and 0 < len(value) <= 32 else None
+
+
 def apply_message(index: PrefixIndex, frames: list[bytes], last_seq: int | None) -> tuple[int | None, str]:
     """One ZMQ message into ``index``; returns (the sequence number now last, what it was):
     ``ok``, ``gap`` (index cleared first), ``bad`` (skipped)."""
@@ -59,14 +64,14 @@ def apply_message(index: PrefixIndex, frames: list[bytes], last_seq: int | None)
             index.clear()
         elif kind == "BlockRemoved" and _hash_list(event.get("block_hashes")):
             if event.get("group_idx") in (None, 0):
-                index.removed(event["block_hashes"])
+                index.removed(event["block_hashes"], _medium(event.get("medium")))
         elif (kind == "BlockStored" and _hash_list(event.get("block_hashes")) and _int_list(event.get("token_ids"))
               and isinstance(event.get("block_size"), int)
               and isinstance(event.get("parent_block_hash"), (int, bytes, type(None)))):
             # A LoRA's blocks are another model's KV; other groups (hybrid models) are not prompts' prefixes.
             if event.get("lora_id") is None and event.get("group_idx") in (None, 0):
                 index.stored(event["block_hashes"], event["parent_block_hash"], event["token_ids"],
-                             event["block_size"])
+                             event["block_size"], _medium(event.get("medium")))
         elif outcome == "ok":
             outcome = "bad"
     return seq, outcome

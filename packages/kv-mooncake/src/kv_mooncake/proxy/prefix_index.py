@@ -7,6 +7,11 @@ the proxy cannot recompute them from a prompt; it keys each block by its own cha
 a hash of (parent's chain key, the block's token ids), computed alike from the events and from a
 prompt's token ids. Pure bookkeeping, no I/O: :mod:`.kv_events` feeds it.
 
+Tier-aware: each event names its medium in vLLM's values (``GPU`` for vLLM's prefix cache, ``CPU`` /
+``STORAGE`` for a connector's store, kv-store's included). A block stays matched while any medium
+of the instance holds it: a ``BlockRemoved`` from the GPU leaves the copy the store announced. An
+event without a medium counts as ``GPU``.
+
 Bounded: at most ``max_blocks`` per instance (the oldest go first). An event about a block whose
 parent the index never saw (missed or evicted here) is dropped: a prefix is only ever matched
 from its first block. A gap in the event sequence clears the instance's index (a missed
@@ -19,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 ROOT = 0  # the chain key before a prompt's first block
+DEFAULT_MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: what an event without a medium is about
 
 
 def chain_key(parent: int, tokens: Sequence[int]) -> int:
@@ -45,6 +51,7 @@ class PrefixIndex:
         self.block_size: int | None = None
         self._keys: OrderedDict[int, Hashable] = OrderedDict()  # chain key -> vLLM's hash
         self._by_hash: dict[Hashable, int] = {}  # vLLM's hash -> chain key
+        self._media: dict[int, set[str]] = {}  # chain key -> the media holding it
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -52,10 +59,15 @@ class PrefixIndex:
     def clear(self) -> None:
         self._keys.clear()
         self._by_hash.clear()
+        self._media.clear()
+
+    def media(self, key: int) -> frozenset[str]:
+        """The media holding the block of chain key ``key`` (empty: not held)."""
+        return frozenset(self._media.get(key, ()))
 
     def stored(self, block_hashes: Sequence[Hashable], parent_hash: Hashable | None, token_ids: Sequence[int],
-               block_size: int) -> int:
-        """A ``BlockStored``; returns how many blocks were indexed."""
+               block_size: int, medium: str | None = None) -> int:
+        """A ``BlockStored`` (in ``medium``); returns how many blocks were indexed."""
         if block_size < 1 or len(token_ids) != len(block_hashes) * block_size:
             return 0  # not a run of full blocks of this shape: ignore rather than guess
         if self.block_size != block_size:
@@ -72,16 +84,25 @@ class PrefixIndex:
             self._keys[parent] = vllm_hash
             self._keys.move_to_end(parent)
             self._by_hash[vllm_hash] = parent
+            self._media.setdefault(parent, set()).add(medium or DEFAULT_MEDIUM)
         while len(self._keys) > self.max_blocks:
-            _, old_hash = self._keys.popitem(last=False)
+            old_key, old_hash = self._keys.popitem(last=False)
             self._by_hash.pop(old_hash, None)
+            self._media.pop(old_key, None)
         return len(block_hashes)
 
-    def removed(self, block_hashes: Sequence[Hashable]) -> None:
+    def removed(self, block_hashes: Sequence[Hashable], medium: str | None = None) -> None:
+        """A ``BlockRemoved`` from ``medium``: a block leaves the index once no medium holds it."""
         for vllm_hash in block_hashes:
-            key = self._by_hash.pop(vllm_hash, None)
-            if key is not None:
+            key = self._by_hash.get(vllm_hash)
+            if key is None:
+                continue
+            media = self._media.get(key, set())
+            media.discard(medium or DEFAULT_MEDIUM)
+            if not media:
+                self._by_hash.pop(vllm_hash, None)
                 self._keys.pop(key, None)
+                self._media.pop(key, None)
 
     def matched_blocks(self, keys: Sequence[int]) -> int:
         """How many leading blocks of a prompt (its :func:`prompt_keys`) this instance holds."""
