@@ -36,6 +36,7 @@ ORDER = [
     "bench_ttft",
     "bench_proxy",
     "bench_pd_goodput",
+    "bench_proxy_routing",
     "bench_ucm",
     "bench_ucm_store",
 ]
