@@ -458,8 +458,13 @@ def fmt_ms(v: tuple[float, float, float]) -> str:
     return f"{v[0]:.0f} ({v[1]:.0f}-{v[2]:.0f})" if v[0] >= 10 else f"{v[0]:.1f} ({v[1]:.1f}-{v[2]:.1f})"
 
 
+def _r(x: float) -> str:
+    """A ratio with 2 decimals, 3 when 2 would show 1.00 for a value that is not 1 (an interval's end)."""
+    return f"{x:.3f}" if f"{x:.2f}" == "1.00" and x != 1.0 else f"{x:.2f}"
+
+
 def fmt_ratio(v: tuple[float, ...]) -> str:
-    return "–" if math.isnan(v[0]) else f"{v[0]:.2f} ({v[1]:.2f}-{v[2]:.2f})"
+    return "–" if math.isnan(v[0]) else f"{_r(v[0])} ({_r(v[1])}-{_r(v[2])})"
 
 
 def _ok(runs: list[ArmRun]) -> list[Result]:
@@ -538,7 +543,7 @@ def _ratio_claim(what: str, r: tuple[float, ...]) -> str:
         return f"{what}: no paired requests"
     verdict = ("faster (wins)" if r[2] < 1 else "slower (loses)" if r[1] > 1
                else "interval spans 1, no difference resolved")
-    return f"{what}: paired median ratio {r[0]:.2f} (95 % CI {r[1]:.2f}-{r[2]:.2f}, {r[3]} pairs): {verdict}"
+    return f"{what}: paired median ratio {_r(r[0])} (95 % CI {_r(r[1])}-{_r(r[2])}, {r[3]} pairs): {verdict}"
 
 
 def claims_from(mixed: dict, shared: dict) -> list[Claim]:
@@ -646,16 +651,17 @@ def _plot(mixed: dict, shared: dict) -> str:
                    yerr=[[max(0.0, v[0] - v[1]) for v in vs], [max(0.0, v[2] - v[0]) for v in vs]], capsize=3)
         ax.set_xticks(range(len(groups)), groups)
         ax.grid(True, axis="y", alpha=0.3)
+        ax.set_ylim(top=ax.get_ylim()[1] * (3 if ax.get_yscale() == "log" else 1.3))  # room for the legend
         ax.legend(fontsize=7, loc="upper left")
 
     if mixed:
         groups = ["short p50", "short p99", "long p50", "long p99"]
         keys = ["short50", "short99", "long50", "long99"]
+        axes[0].set_yscale("log")
         bars(axes[0], groups, ["always", "below"],
              {(g, a): mixed[a][k] for g, k in zip(groups, keys, strict=True) for a in ("always", "below")})
         axes[0].set_title("Mixed workload: TTFT")
         axes[0].set_ylabel("ms (95 % bootstrap interval)")
-        axes[0].set_yscale("log")
         bars(axes[1], ["p50", "p99"], ["always", "below"],
              {(g, a): mixed[a][k] for g, k in (("p50", "itl50"), ("p99", "itl99")) for a in ("always", "below")})
         axes[1].set_title("Mixed workload: decode inter-token latency")
