@@ -189,11 +189,10 @@ class Relay:
     async def _prefill(self, path: str, body: dict, ex: Exchange, tokens: int) -> dict:
         leg_body = prefill_request_body(body)
         reasons: list[str] = []
-        credit = None
-        if self.indexes:
-            credit = prefill_credit(self.indexes, token_id_prompt(body))
+        prompt = token_id_prompt(body) if self.indexes else None  # once: it walks the whole prompt
+        credit = prefill_credit(self.indexes, prompt) if self.indexes else None
         for inst in self._attempts(self.upstreams.prefills, credit):
-            if credit is not None and token_id_prompt(body) is not None:
+            if credit is not None and prompt is not None:
                 self.metrics.prefix_routed.labels("hit" if credit.get(inst.url) else "miss").inc()
             self.upstreams.acquire(inst, tokens)
             t0 = time.monotonic()
