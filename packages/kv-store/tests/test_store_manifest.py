@@ -222,6 +222,52 @@ def test_fixed_size_backend_a_value_of_another_size_is_a_mismatch():
         mf.publish_and_check(backend, KEY, settings(value_size=8192), 8192, where="ns", settle_s=0)
 
 
+class FakeMooncakePutWindowBackend(Backend):
+    """A put is listed (exists) before its value can be read: Mooncake's master knows the key
+    while the writer's replica is still being copied, and a get then returns nothing."""
+
+    name = "fake-put-window"
+
+    def __init__(self, inner, unreadable_reads):
+        self.inner = inner
+        self.unreadable_reads = unreadable_reads
+
+    def batch_exists(self, keys_):
+        return self.inner.batch_exists(keys_)
+
+    def batch_put(self, keys_, values):
+        return self.inner.batch_put(keys_, values)
+
+    def batch_get(self, keys_):
+        if self.unreadable_reads > 0:
+            self.unreadable_reads -= 1
+            return [None] * len(keys_)
+        return self.inner.batch_get(keys_)
+
+    def batch_get_into(self, keys_, buffers):
+        return self.inner.batch_get_into(keys_, buffers)
+
+
+def test_a_manifest_still_being_written_is_waited_for_not_refused():
+    """CI (stop 30): two engines of one layout started together on one mooncake_master; the
+    second saw the first's manifest listed but not yet readable and refused to start."""
+    inner = EmbeddedBackend(1 << 20)
+    inner.batch_put([KEY], [mf.encode(settings(writer="b"), SIZE)])
+    backend = FakeMooncakePutWindowBackend(inner, unreadable_reads=3)
+    slept = []
+    assert mf.publish_and_check(backend, KEY, settings(), SIZE, where="ns", settle_s=0,
+                                sleep=slept.append) == "matched"
+    assert slept  # it waited for the value rather than refusing at once
+
+
+def test_a_manifest_that_stays_unreadable_is_still_a_mismatch():
+    inner = EmbeddedBackend(1 << 20)
+    inner.batch_put([KEY], [mf.encode(settings(writer="b"), SIZE)])
+    backend = FakeMooncakePutWindowBackend(inner, unreadable_reads=10**6)
+    with pytest.raises(mf.ManifestMismatch, match="cannot read as a 4096-byte value"):
+        mf.publish_and_check(backend, KEY, settings(), SIZE, where="ns", settle_s=0, sleep=lambda s: None)
+
+
 def test_corrupted_stored_manifest_fails_closed():
     backend = EmbeddedBackend(1 << 20)
     backend.batch_put([KEY], [b"KVMF" + bytes(SIZE - 4)])  # magic, then a zero version

@@ -235,23 +235,35 @@ _READ_BACK_TRIES = 20
 _READ_BACK_PAUSE_S = 0.1
 
 
+def _read_settled(
+    backend: Backend, key: str, value_size: int, sleep: Callable[[float], None], *, want_present: bool
+) -> tuple[bool, bytes | None]:
+    """``_read``, again for a while when the answer may be a put still under way: Mooncake lists a
+    key as soon as a writer starts its put, and a get returns nothing until the copy is done (two
+    engines of one layout starting together). A key that stays listed but unreadable is a value of
+    another size (a mismatch); one still absent after our own put means the put failed."""
+    present, value = _read(backend, key, value_size)
+    for _ in range(_READ_BACK_TRIES):
+        settled = value is not None if present else not want_present
+        if settled:
+            break
+        sleep(_READ_BACK_PAUSE_S)
+        present, value = _read(backend, key, value_size)
+    return present, value
+
+
 def publish_and_check(
     backend: Backend, key: str, mine: Manifest, value_size: int, *, where: str,
     settle_s: float = 0.5, sleep: Callable[[float], None] = time.sleep,
 ) -> str:
     """Store ``mine`` unless a manifest is there, then compare. Returns "written" or "matched";
     raises ``ManifestMismatch``; backend errors propagate (the caller decides)."""
-    present, value = _read(backend, key, value_size)
+    present, value = _read_settled(backend, key, value_size, sleep, want_present=False)
     if present:
         _compare(value, mine, where, value_size)
         return "matched"
     backend.batch_put([key], [encode(mine, value_size)])
-    present, value = _read(backend, key, value_size)
-    for _ in range(_READ_BACK_TRIES):  # a racing writer's put may not be complete yet (Mooncake)
-        if present:
-            break
-        sleep(_READ_BACK_PAUSE_S)
-        present, value = _read(backend, key, value_size)
+    present, value = _read_settled(backend, key, value_size, sleep, want_present=True)
     if not present:
         raise OSError("the manifest was not stored (backend full or refusing values)")
     _compare(value, mine, where, value_size)
