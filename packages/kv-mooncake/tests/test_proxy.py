@@ -41,7 +41,7 @@ from kv_mooncake.proxy.operations import (
     parse_instance_change,
     parse_reset_query,
 )
-from kv_mooncake.proxy.prefix_index import PrefixIndex, prefill_credit, prompt_keys
+from kv_mooncake.proxy.prefix_index import PrefixIndex, PromptKeys, prefill_credit, prompt_keys
 from kv_mooncake.proxy.release import side_channel_addresses
 from kv_mooncake.proxy.routing import choose_path, request_path, token_id_prompt
 from kv_mooncake.side_channel import SideChannelServer
@@ -850,10 +850,29 @@ def test_prefill_credit_is_the_cached_prefix_in_tokens():
     prompt = list(range(10))
     a.stored([1, 2], None, prompt[:8], 4)
     b.stored([9], None, prompt[:4], 4)
-    assert prefill_credit({"A": a, "B": b, "C": PrefixIndex()}, prompt) == {"A": 8, "B": 4}
+    assert prefill_credit({"A": a, "B": b, "C": PrefixIndex()}, PromptKeys(prompt)) == {"A": 8, "B": 4}
     assert prefill_credit({"A": a}, None) == {}
     assert token_id_prompt({"prompt": [1, 2]}) == [1, 2] and token_id_prompt({"prompt": "text"}) is None
     assert token_id_prompt({"prompt": [[1, 2]]}) is None and token_id_prompt({"prompt": [True]}) is None
+
+
+def test_a_prompt_is_hashed_once_per_block_size_for_all_instances(monkeypatch):
+    """Review finding: every instance's index hashed the whole prompt again (``setdefault``
+    evaluates its default), and --decode-only-cached hashed it once more for the decodes."""
+    from kv_mooncake.proxy import prefix_index
+
+    calls = []
+    real = prefix_index.prompt_keys
+    monkeypatch.setattr(prefix_index, "prompt_keys", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    prompt = list(range(16))
+    indexes = {}
+    for url in ("P1", "P2", "D1", "D2"):
+        indexes[url] = PrefixIndex()
+        indexes[url].stored([url], None, prompt[:4], 4)
+    keys = PromptKeys(prompt)
+    assert prefill_credit({u: indexes[u] for u in ("D1", "D2")}, keys) == {"D1": 4, "D2": 4}
+    assert prefill_credit({u: indexes[u] for u in ("P1", "P2")}, keys) == {"P1": 4, "P2": 4}
+    assert calls == [4]
 
 
 def test_kv_event_messages_are_checked_and_gaps_clear_the_index():
@@ -885,34 +904,65 @@ def test_least_loaded_gives_way_to_the_prefix_holder_load_permitting():
     assert pool.pick(credit={}) is a
 
 
+@dataclass
+class _EventsRig:
+    """A proxy in front of fake prefills and decodes, one ZMQ PUB socket for the KV events."""
+
+    app: object
+    proxy: _Uvicorn
+    prefills: list
+    decodes: list
+    urls: list[str]  # the prefills' then the decodes'
+    pub: object
+
+    def publish_until_heard(self, url: str, hashes: list, tokens: list[int]) -> None:
+        """A SUB socket hears only what is sent after it connected: send until ``url``'s index has it."""
+        index, seq, deadline = self.app.state.proxy.kv_events.indexes[url], 0, time.monotonic() + WAIT_S
+        while not len(index):
+            assert time.monotonic() < deadline, "the proxy never heard the KV events"
+            self.pub.send_multipart(_events_message(seq, _stored(hashes, None, tokens)))
+            seq += 1
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _events_rig(n_prefills: int, n_decodes: int, make_config):
+    """``make_config(urls, pub_endpoint)`` -> the ProxyConfig; everything is stopped on the way out."""
+    import zmq
+
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    side = FakeSideChannel()
+    prefills = [FakeOpenAIServer("prefill", side.port) for _ in range(n_prefills)]
+    decodes = [FakeOpenAIServer("decode") for _ in range(n_decodes)]
+    servers = [_Uvicorn(f.app()).start() for f in (*prefills, *decodes)]
+    try:
+        app = build_app(make_config([s.url for s in servers], f"tcp://127.0.0.1:{port}"))
+        proxy = _Uvicorn(app).start()
+        try:
+            yield _EventsRig(app, proxy, prefills, decodes, [s.url for s in servers], pub)
+        finally:
+            proxy.stop()
+    finally:
+        for s in servers:
+            s.stop()
+        side.server.close()
+        pub.close(0)
+
+
 def test_prefill_legs_follow_the_kv_events_of_a_prefill():
     """A real ZMQ PUB socket sends vLLM-shaped events naming the second prefill's cached prefix:
     token-id prompts with that prefix go there; others balance as before; missing events never fail."""
-    import zmq
 
-    ctx = zmq.Context.instance()
-    pub = ctx.socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    side = FakeSideChannel()
-    prefills = [FakeOpenAIServer("prefill", side.port) for _ in range(2)]
-    decode = FakeOpenAIServer("decode")
-    servers = [_Uvicorn(f.app()).start() for f in (*prefills, decode)]
-    holder = servers[1].url
-    cfg = ProxyConfig(prefill_urls=(servers[0].url, holder), decode_urls=(servers[2].url,),
-                      kv_events=((holder, f"tcp://127.0.0.1:{port}"), (servers[0].url, "tcp://127.0.0.1:1")),
-                      health_interval_s=0.2, health_timeout_s=WAIT_S)
-    app = build_app(cfg)
-    proxy = _Uvicorn(app).start()
-    try:
+    def config(urls, endpoint):
+        return ProxyConfig(prefill_urls=tuple(urls[:2]), decode_urls=(urls[2],),
+                           kv_events=((urls[1], endpoint), (urls[0], "tcp://127.0.0.1:1")),
+                           health_interval_s=0.2, health_timeout_s=WAIT_S)
+
+    with _events_rig(2, 1, config) as rig:
+        holder, prefills, proxy = rig.urls[1], rig.prefills, rig.proxy
         shared = list(range(1000, 1000 + 16))
-        seq = 0
-        index = app.state.proxy.kv_events.indexes[holder]
-        deadline = time.monotonic() + WAIT_S
-        while not len(index):  # a SUB socket hears only what is sent after it connected
-            assert time.monotonic() < deadline, "the proxy never heard the KV events"
-            pub.send_multipart(_events_message(seq, _stored([11, 12, 13, 14], None, shared)))
-            seq += 1
-            time.sleep(0.05)
+        rig.publish_until_heard(holder, [11, 12, 13, 14], shared)
         for i in range(4):
             assert _post(proxy.url, {**BODY, "prompt": [*shared, i]}).status_code == 200
         assert len(prefills[1].requests) == 4 and prefills[0].requests == []
@@ -922,12 +972,6 @@ def test_prefill_legs_follow_the_kv_events_of_a_prefill():
         text = _get(proxy.url + "/metrics").text
         assert 'kv_proxy_prefix_routed_total{outcome="hit"} 4.0' in text
         assert f'kv_proxy_prefix_index_blocks{{instance="{holder}"}} 4.0' in text
-    finally:
-        proxy.stop()
-        for s in servers:
-            s.stop()
-        side.server.close()
-        pub.close(0)
 
 
 def test_kv_events_flags():
@@ -951,28 +995,15 @@ def test_decode_cached_rule():
 def test_a_prompt_the_decode_holds_mostly_runs_there_alone():
     """Two decodes, the second announces (KV events) 4 blocks of 4 tokens: a 17-token prompt with
     that prefix runs on it without a prefill leg; another prompt is disaggregated as before."""
-    import zmq
 
-    pub = zmq.Context.instance().socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    side = FakeSideChannel()
-    prefill = FakeOpenAIServer("prefill", side.port)
-    decodes = [FakeOpenAIServer("decode") for _ in range(2)]
-    servers = [_Uvicorn(f.app()).start() for f in (prefill, *decodes)]
-    holder = servers[2].url
-    cfg = ProxyConfig(prefill_urls=(servers[0].url,), decode_urls=(servers[1].url, holder),
-                      kv_events=((holder, f"tcp://127.0.0.1:{port}"),), decode_only_cached=0.75,
-                      health_interval_s=0.2, health_timeout_s=WAIT_S)
-    app = build_app(cfg)
-    proxy = _Uvicorn(app).start()
-    try:
+    def config(urls, endpoint):
+        return ProxyConfig(prefill_urls=(urls[0],), decode_urls=tuple(urls[1:]), kv_events=((urls[2], endpoint),),
+                           decode_only_cached=0.75, health_interval_s=0.2, health_timeout_s=WAIT_S)
+
+    with _events_rig(1, 2, config) as rig:
+        (prefill,), decodes, proxy = rig.prefills, rig.decodes, rig.proxy
         shared = list(range(2000, 2016))
-        index, seq, deadline = app.state.proxy.kv_events.indexes[holder], 0, time.monotonic() + WAIT_S
-        while not len(index):
-            assert time.monotonic() < deadline, "the proxy never heard the KV events"
-            pub.send_multipart(_events_message(seq, _stored([21, 22, 23, 24], None, shared)))
-            seq += 1
-            time.sleep(0.05)
+        rig.publish_until_heard(rig.urls[2], [21, 22, 23, 24], shared)
         r = _post(proxy.url, {**BODY, "prompt": [*shared, 7]})
         assert r.status_code == 200 and r.json()["received_kv_transfer_params"] is None
         assert prefill.requests == [] and len(decodes[1].requests) == 1 and decodes[0].requests == []
@@ -980,12 +1011,6 @@ def test_a_prompt_the_decode_holds_mostly_runs_there_alone():
         assert len(prefill.requests) == 1
         text = _get(proxy.url + "/metrics").text
         assert 'kv_proxy_requests_by_path_total{path="decode_only_cached"} 1.0' in text
-    finally:
-        proxy.stop()
-        for s in servers:
-            s.stop()
-        side.server.close()
-        pub.close(0)
 
 
 @pytest.mark.parametrize(("host", "key", "warns"), [

@@ -114,18 +114,31 @@ class PrefixIndex:
         return n
 
 
-def prefill_credit(indexes: dict[str, PrefixIndex], token_ids: Sequence[int] | None) -> dict[str, int]:
+class PromptKeys:
+    """One request's prompt and its chain keys per block size, each computed at most once (a
+    prompt is walked whole: the prefills' and the decodes' indexes share one walk)."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self._by_size: dict[int, list[int]] = {}
+
+    def for_block_size(self, block_size: int) -> list[int]:
+        keys = self._by_size.get(block_size)
+        if keys is None:
+            keys = self._by_size[block_size] = prompt_keys(self.token_ids, block_size)
+        return keys
+
+
+def prefill_credit(indexes: dict[str, PrefixIndex], prompt: PromptKeys | None) -> dict[str, int]:
     """Per instance URL: prompt tokens it holds already (its longest cached prefix), for the
     balancer to subtract from its load. Empty without token ids or without any index."""
-    if token_ids is None:
+    if prompt is None:
         return {}
     credit: dict[str, int] = {}
-    keys_by_size: dict[int, list[int]] = {}
     for url, index in indexes.items():
         if index.block_size is None or not len(index):
             continue
-        keys = keys_by_size.setdefault(index.block_size, prompt_keys(token_ids, index.block_size))
-        blocks = index.matched_blocks(keys)
+        blocks = index.matched_blocks(prompt.for_block_size(index.block_size))
         if blocks:
             credit[url] = blocks * index.block_size
     return credit

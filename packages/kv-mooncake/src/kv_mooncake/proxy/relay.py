@@ -39,7 +39,7 @@ from kv_mooncake.proxy.exchange import (
     Unavailable,
 )
 from kv_mooncake.proxy.metrics import ProxyMetrics
-from kv_mooncake.proxy.prefix_index import PrefixIndex, prefill_credit
+from kv_mooncake.proxy.prefix_index import PrefixIndex, PromptKeys, prefill_credit
 from kv_mooncake.proxy.release import release_prefill_blocks
 from kv_mooncake.proxy.routing import request_path, token_id_prompt
 from kv_mooncake.proxy.upstreams import Upstreams
@@ -186,10 +186,9 @@ class Relay:
             self.upstreams.unhold(ex.prefill)
             ex.prefill = None
 
-    async def _prefill(self, path: str, body: dict, ex: Exchange, tokens: int) -> dict:
+    async def _prefill(self, path: str, body: dict, ex: Exchange, tokens: int, prompt: PromptKeys | None) -> dict:
         leg_body = prefill_request_body(body)
         reasons: list[str] = []
-        prompt = token_id_prompt(body) if self.indexes else None  # once: it walks the whole prompt
         credit = prefill_credit(self.indexes, prompt) if self.indexes else None
         for inst in self._attempts(self.upstreams.prefills, credit):
             if credit is not None and prompt is not None:
@@ -231,12 +230,19 @@ class Relay:
             raise
         return DecodeLeg(inst, tokens, response, chunks, first)
 
-    def _decode_credit(self, body: dict) -> dict[str, int]:
+    def _prompt_keys(self, body: dict) -> PromptKeys | None:
+        """The prompt's token ids (None: a text prompt), walked once per request, only for --kv-events."""
+        if not self.indexes:
+            return None
+        token_ids = token_id_prompt(body)
+        return None if token_ids is None else PromptKeys(token_ids)
+
+    def _decode_credit(self, prompt: PromptKeys | None) -> dict[str, int]:
         """Per decode URL, prompt tokens it holds (KV events), when --decode-only-cached asks."""
         if not self.config.decode_only_cached or not self.indexes:
             return {}
         decodes = {i.url for i in self.upstreams.decodes.instances}
-        return prefill_credit({u: x for u, x in self.indexes.items() if u in decodes}, token_id_prompt(body))
+        return prefill_credit({u: x for u, x in self.indexes.items() if u in decodes}, prompt)
 
     async def _decode(self, path: str, body: dict, ex: Exchange, tokens: int, stream: bool,
                       credit: dict[str, int] | None = None) -> DecodeLeg:
@@ -283,7 +289,8 @@ class Relay:
     # ---- one client request
     async def handle(self, ex: Exchange, path: str, body: dict) -> Response:
         stream = bool(body.get("stream"))
-        decode_credit = self._decode_credit(body)
+        prompt = self._prompt_keys(body)
+        decode_credit = self._decode_credit(prompt)
         chosen, prompt_tokens = request_path(body, self.config.decode_only_below,
                                              max(decode_credit.values(), default=0), self.config.decode_only_cached)
         route: str = chosen
@@ -292,7 +299,7 @@ class Relay:
         try:
             if route == "disaggregated":
                 try:
-                    ex.params = await self._prefill(path, body, ex, prompt_tokens)
+                    ex.params = await self._prefill(path, body, ex, prompt_tokens, prompt)
                 except Unavailable as exc:
                     if self.config.fallback != "decode-only":
                         return error_response(503, str(exc), "service_unavailable", ex.request_id)
