@@ -223,8 +223,17 @@ def test_decode_never_pulls_prefill_frees_on_expiry(engines):
     _prefill(p1, _prompts(2, seed=3), hold_timeout_s=SHORT_HOLD_S)
     held = _wait_held(P1_PORT, 2, timeout_s=SHORT_HOLD_S / 3)
     assert held == 2, held
-    time.sleep(max(0.0, SHORT_HOLD_S / 2 - (time.monotonic() - t0)))
+    # Holding is waiting: vLLM steps the engine while a finished request's blocks are held, and the
+    # worker (the process vLLM binds to the engine's cores) must not spin through the empty steps
+    # (it took a whole core here and starved a prefill sharing that core for two minutes).
+    worker, tree = "VLLM::Worker", None
+    cpu0, tree0, w0 = p1.cpu_seconds(worker), p1.cpu_seconds(tree), time.monotonic()
+    time.sleep(max(1.0, SHORT_HOLD_S / 2 - (time.monotonic() - t0)))
+    busy = (p1.cpu_seconds(worker) - cpu0) / (time.monotonic() - w0)
+    print(f"\n[hold] while it held 2 requests the prefill's worker used {busy:.0%} of a core, the whole "
+          f"engine {(p1.cpu_seconds(tree) - tree0) / (time.monotonic() - w0):.0%}")
     assert mooncake_leaks(P1_PORT)["held_requests"] == 2  # not before the timeout
+    assert 0 < busy < 0.6, f"the prefill's worker spun while it held blocks: {busy:.0%} of a core"
     _assert_clean(P1_PORT, timeout_s=SHORT_HOLD_S + 30)  # freed on expiry, exactly once: the engine lives on
     assert p1.generate([[5, 6, 7]], max_tokens=2).token_ids
 

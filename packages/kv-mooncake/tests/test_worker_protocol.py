@@ -291,3 +291,30 @@ def test_the_decodes_handshake_cache_is_bounded(monkeypatch):
         decode.close()
         for w in prefills:
             w.close()
+
+
+def test_an_idle_step_of_a_holding_prefill_waits_for_the_done_not_spins():
+    """vLLM steps the engine while blocks are held: a step that scheduled nothing waits (up to
+    idle_step_wait_ms) in get_finished, and the reader's DONE ends the wait at once."""
+    import threading
+
+    cfg = MooncakeConfig(hold_timeout_s=30.0, idle_step_wait_ms=100.0)
+    w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=free_port(),
+                       total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    w.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
+    try:
+        w.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0])], idle=True))
+        t0 = time.monotonic()
+        assert w.get_finished() == (None, None)  # nothing freed: the whole bound, not a spin
+        assert time.monotonic() - t0 >= 0.09
+        w.start_step(MooncakeStep(idle=False))
+        t0 = time.monotonic()
+        w.get_finished()  # a step with tokens never waits
+        assert time.monotonic() - t0 < 0.05
+        w.start_step(MooncakeStep(idle=True))
+        threading.Timer(0.01, lambda: w.handle(P.FreeNow(request_id="r", reader_id="d"))).start()
+        t0 = time.monotonic()
+        assert w.get_finished()[0] == {"r"}  # freed during the wait: reported in this very step
+        assert time.monotonic() - t0 < 0.09
+    finally:
+        w.close()

@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from kv_common import vllm_compat
 from kv_common.config import ConfigKeyError, ConnectorConfig, parse_extra_config
+from kv_common.idle_step import DEFAULT_IDLE_STEP_WAIT_MS, MAX_IDLE_STEP_WAIT_MS
 
 CONNECTOR_NAME = "MooncakeConnectorV1"
 
@@ -78,6 +79,10 @@ class MooncakeConfig(ConnectorConfig, frozen=True):
     transfer_attempt_timeout_s: float = 10.0
     max_inflight_transfers: int = 512  # per peer; the TCP transport rejects more than 1024
     num_pull_threads: int = 4
+    # A vLLM step that schedules no token (only transfers in flight: held blocks, pulls) waits up to
+    # this long for one to end instead of spinning (kv_common.idle_step); 0: no wait. A request
+    # arriving meanwhile starts up to this much later.
+    idle_step_wait_ms: float = DEFAULT_IDLE_STEP_WAIT_MS
     max_message_bytes: int = 1 << 20
     # The environment variable holding the side channel's shared secret (never the secret itself:
     # configs get logged). None: KV_SECRET when set, else no secret (any peer is answered). Named
@@ -130,6 +135,8 @@ class MooncakeConfig(ConnectorConfig, frozen=True):
             raise ValueError("debug_pull_chunk_delay_s must be >= 0")
         if self.num_pull_threads < 1:
             raise ValueError("num_pull_threads must be >= 1")
+        if not 0 <= self.idle_step_wait_ms <= MAX_IDLE_STEP_WAIT_MS:
+            raise ValueError(f"idle_step_wait_ms must be from 0 to {MAX_IDLE_STEP_WAIT_MS:g}")
 
 
 def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:

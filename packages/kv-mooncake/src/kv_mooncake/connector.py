@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from kv_common import vllm_compat
+from kv_common.idle_step import idle_step
 from kv_common.logging_utils import get_logger
 
 from kv_mooncake.config import load_config
@@ -142,7 +143,9 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: igno
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         assert self._scheduler is not None
-        return MooncakeConnectorMetadata(self._scheduler.build_step())
+        step = self._scheduler.build_step()
+        step.idle = idle_step(scheduler_output)
+        return MooncakeConnectorMetadata(step)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         assert self._scheduler is not None

@@ -230,8 +230,10 @@ class DecodePuller:
         stats: TransferStatsBase,
         ledger: FailureLedger,
         num_hidden_layers: int = 0,
+        on_finished: Callable[[], None] = lambda: None,
     ):
         self.config = config
+        self._on_finished = on_finished  # a pull ended: the worker's idle step stops waiting (idle_step)
         self.reader_id = reader_id
         self.decode_rank, self.decode_layout = decode_rank, decode_layout
         self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
@@ -392,6 +394,7 @@ class DecodePuller:
         with self._lock:
             self._pending_pulls.discard(req.request_id)
             self._finished.add(req.request_id)
+        self._on_finished()
         self.messenger.pull_finished(source, job.prefill, job.counts, [ps[0] for ps in job.by_source.values()],
                                      job.failed_ranks, frozenset(job.told))
 

@@ -58,6 +58,7 @@ class MooncakeStep(msgspec.Struct, kw_only=True):
     holds: list[HoldRequest] = []  # prefill: finished requests whose blocks wait for readers
     frees: list[RemoteSource] = []  # decode: tell the prefill to free (nothing will be pulled)
     keepalives: list[RemoteSource] = []  # decode: accepted, not pulled yet: keep the hold alive
+    idle: bool = False  # vLLM scheduled no token this step: the worker may wait for news (idle_step)
 
     def is_empty(self) -> bool:
         return not (self.pulls or self.holds or self.frees or self.keepalives)

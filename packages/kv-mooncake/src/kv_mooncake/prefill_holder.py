@@ -15,7 +15,7 @@ import functools
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +50,9 @@ class PrefillHolder:
     request is its one record in ``tracker``; here only what comes before a hold or outlives it."""
 
     def __init__(self, config: MooncakeConfig, *, engine_id: str, prefill_layout: PrefillLayout,
-                 stats: TransferStatsBase, pp_rank: int = 0):
+                 stats: TransferStatsBase, pp_rank: int = 0, on_freed: Callable[[], None] = lambda: None):
         self.config = config
+        self._on_freed = on_freed  # blocks freed: the worker's idle step stops waiting (idle_step)
         self.engine_id = engine_id
         self.prefill_layout = prefill_layout
         self.pp_rank = pp_rank  # this worker's pipeline stage
@@ -115,6 +116,7 @@ class PrefillHolder:
             self._recently_freed[request_id] = reason
             while len(self._recently_freed) > _RECENT:
                 self._recently_freed.popitem(last=False)
+        self._on_freed()
         if reason == "expired":
             self.stats.incr("expired_holds")
         logger.debug("MooncakeConnectorV1: request %s freed (%s)", request_id, reason)

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 from kv_common.failure_ledger import FailureLedger
+from kv_common.idle_step import IdleStepWait
 from kv_common.kv_cache_groups import KVGroup
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
@@ -83,11 +84,16 @@ class MooncakeWorker:
         # unique only within a group; with more it raises in the EngineCore): report whole requests.
         self.failures_per_request = len(kv_groups) > 1
         self._failed_pulls: set[str] = set()  # failed, not yet seen in finished_recving
+        # vLLM steps the engine while blocks are held or pulls run; a step that schedules nothing
+        # waits here for news instead of spinning (kv_common.idle_step).
+        self.idle_wait = IdleStepWait(config.idle_step_wait_ms)
+        self._idle_step = False
         self.holder = PrefillHolder(config, engine_id=engine_id, prefill_layout=self.prefill_layout, stats=self.stats,
-                                    pp_rank=prefill_rank.pp_rank)
+                                    pp_rank=prefill_rank.pp_rank, on_freed=self.idle_wait.notify)
         self.puller = DecodePuller(config, reader_id=self.reader_id, decode_rank=decode_rank,
                                    decode_layout=decode_layout, total_kv_heads=total_kv_heads, use_mla=use_mla,
-                                   stats=self.stats, ledger=self.ledger, num_hidden_layers=num_hidden_layers)
+                                   stats=self.stats, ledger=self.ledger, num_hidden_layers=num_hidden_layers,
+                                   on_finished=self.idle_wait.notify)
 
         self.cache: LocalCache | None = None
         self.compatibility: P.Compatibility | None = None
@@ -182,11 +188,14 @@ class MooncakeWorker:
 
     # ---- per step ----------------------------------------------------------------------------
     def start_step(self, step: MooncakeStep) -> None:
+        self._idle_step = step.idle
         for hold in step.holds:
             self.holder.hold(hold.request_id, hold.num_blocks, hold.block_ids, hold.ttl_s, hold.prompt_digest)
         self.puller.start_step(step)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self.idle_wait.before_report(self._idle_step)
+        self._idle_step = False  # a step whose metadata never came is not known to be idle
         sending = self.holder.take_freed()
         recving = self.puller.take_finished()
         return sending or None, recving or None

@@ -289,6 +289,23 @@ class EngineProcess:
         except psutil.Error:
             return []
 
+    def cpu_seconds(self, process_name: str | None = None) -> float:
+        """CPU seconds (user + system) the engine's process tree has used so far (psutil), or only
+        its processes named ``process_name`` (e.g. vLLM's "VLLM::Worker"): what an engine that
+        should be idle burns, measured over a window."""
+        import psutil
+
+        total = 0.0
+        for proc in self._tree_snapshot():
+            try:
+                if process_name is not None and proc.name() != process_name:
+                    continue
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        return total
+
     @staticmethod
     def _wait_gone(procs: list[Any], timeout_s: float) -> None:
         """Wait until every process of the snapshot has exited (zombies count as gone), killing stragglers."""
