@@ -18,12 +18,17 @@ from kv_mooncake.worker import LocalCache, MooncakeWorker, query_leaks
 SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
 
 
-@pytest.fixture
-def prefill():
-    cfg = MooncakeConfig(hold_timeout_s=0.5, lease_s=0.3)
+def _prefill_worker(cfg: MooncakeConfig) -> MooncakeWorker:
+    """A prefill rank over raw regions (two layers, four blocks), its side channel on a free port."""
     w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=free_port(),
                        total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
     w.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
+    return w
+
+
+@pytest.fixture
+def prefill():
+    w = _prefill_worker(MooncakeConfig(hold_timeout_s=0.5, lease_s=0.3))
     yield w
     w.close()
 
@@ -271,10 +276,7 @@ def test_the_decodes_handshake_cache_is_bounded(monkeypatch):
     cfg = MooncakeConfig()
     prefills = []
     for _ in range(3):
-        w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=free_port(),
-                           total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
-        w.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
-        prefills.append(w)
+        prefills.append(_prefill_worker(cfg))
     decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=False, side_channel_port=1,
                             total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
     decode.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
@@ -298,10 +300,7 @@ def test_an_idle_step_of_a_holding_prefill_waits_for_the_done_not_spins():
     idle_step_wait_ms) in get_finished, and the reader's DONE ends the wait at once."""
     import threading
 
-    cfg = MooncakeConfig(hold_timeout_s=30.0, idle_step_wait_ms=100.0)
-    w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=free_port(),
-                       total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
-    w.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
+    w = _prefill_worker(MooncakeConfig(hold_timeout_s=30.0, idle_step_wait_ms=100.0))
     try:
         w.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0])], idle=True))
         t0 = time.monotonic()
