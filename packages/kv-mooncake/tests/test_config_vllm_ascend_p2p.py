@@ -44,6 +44,13 @@ def test_garbage_and_unknown_keys_name_the_key():
         parse_config({"decode": {"tp": 1}})
 
 
+@pytest.mark.parametrize("wait_ms", [-1, 101])
+def test_idle_step_wait_out_of_bounds_is_refused_naming_it(wait_ms):
+    with pytest.raises((ConnectorConfigError, ValueError), match="idle_step_wait_ms must be from 0 to 100"):
+        parse_config({"idle_step_wait_ms": wait_ms})
+    assert parse_config({"idle_step_wait_ms": 0}).idle_step_wait_ms == 0  # 0: the wait is off
+
+
 def test_no_effect_keys_warn_once(caplog):
     caplog.set_level(logging.WARNING)
     parse_config(DOCUMENTED)

@@ -22,6 +22,12 @@ DEFAULT_IDLE_STEP_WAIT_MS = 5.0
 MAX_IDLE_STEP_WAIT_MS = 100.0
 
 
+def check_idle_step_wait_ms(max_ms: float) -> None:
+    """The setting's bounds (a connector config checks it when parsed, the wait when built)."""
+    if not 0.0 <= max_ms <= MAX_IDLE_STEP_WAIT_MS:
+        raise ValueError(f"idle_step_wait_ms must be from 0 to {MAX_IDLE_STEP_WAIT_MS:g} (got {max_ms!r})")
+
+
 def idle_step(scheduler_output: object) -> bool:
     """Whether vLLM's step scheduled no token (its model runner then only runs the connector)."""
     tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
@@ -32,8 +38,7 @@ class IdleStepWait:
     """The worker's wait in idle steps, ended early by ``notify`` (thread-safe)."""
 
     def __init__(self, max_ms: float = DEFAULT_IDLE_STEP_WAIT_MS) -> None:
-        if not 0.0 <= max_ms <= MAX_IDLE_STEP_WAIT_MS:
-            raise ValueError(f"idle_step_wait_ms must be from 0 to {MAX_IDLE_STEP_WAIT_MS:g} (got {max_ms!r})")
+        check_idle_step_wait_ms(max_ms)
         self.max_s = max_ms / 1000.0
         self._news = threading.Event()
 

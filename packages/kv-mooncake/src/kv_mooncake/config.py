@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from kv_common import vllm_compat
 from kv_common.config import ConfigKeyError, ConnectorConfig, parse_extra_config
-from kv_common.idle_step import DEFAULT_IDLE_STEP_WAIT_MS, MAX_IDLE_STEP_WAIT_MS
+from kv_common.idle_step import DEFAULT_IDLE_STEP_WAIT_MS, check_idle_step_wait_ms
 
 CONNECTOR_NAME = "MooncakeConnectorV1"
 
@@ -135,8 +135,7 @@ class MooncakeConfig(ConnectorConfig, frozen=True):
             raise ValueError("debug_pull_chunk_delay_s must be >= 0")
         if self.num_pull_threads < 1:
             raise ValueError("num_pull_threads must be >= 1")
-        if not 0 <= self.idle_step_wait_ms <= MAX_IDLE_STEP_WAIT_MS:
-            raise ValueError(f"idle_step_wait_ms must be from 0 to {MAX_IDLE_STEP_WAIT_MS:g}")
+        check_idle_step_wait_ms(self.idle_step_wait_ms)
 
 
 def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
