@@ -32,6 +32,9 @@ class BlockingBackend(EmbeddedBackend):
     """The embedded store; ``hold(op)`` makes every later call of ``op`` ("exists", "put", "get")
     hang until ``release(op)``."""
 
+    # Its calls wait on a gate, as a remote store's do: called on an I/O thread, as Mooncake is.
+    calls_release_gil = True
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._gates: dict[str, threading.Event] = {}

@@ -64,6 +64,10 @@ class Backend(ABC):
 
     name: str = "backend"
     pass_bytes: int | None = CACHE_PASS_BYTES
+    # Whether a call runs without the GIL (C++ transfers, file I/O): then a caller overlaps its
+    # check of one pass with the call moving the next on a second thread. A call that copies
+    # under the GIL runs on the caller's thread instead (measured: a thread only adds hand-offs).
+    calls_release_gil: bool = True
     # Where the values live, in vLLM's KV-event medium values (vllm.distributed.kv_events: "GPU",
     # "CPU", "STORAGE"): a router reading the store's BlockStored / BlockRemoved tells the tiers apart.
     kv_event_medium: str = MEDIUM_CPU

@@ -37,7 +37,7 @@ from kv_common.logging_utils import get_logger
 from kv_store.config import StoreConnectorConfig
 from kv_store.kv_view import KVBlockView
 from kv_store.metadata import BlockTransfer, StorePlan
-from kv_store.passes import blocks_per_call, gets_overlapped, spans
+from kv_store.passes import blocks_per_call, gets_overlapped, io_executor, spans
 from kv_store.staging import CacheBuffers, Staging, TrailerArea
 from kv_store.store_access import StoreAccess
 
@@ -81,7 +81,7 @@ class StoreLoader:
         self.ledger = ledger
         self._cache: CacheBuffers | None = None  # from register_kv_caches
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-load")
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-get")  # gets beside the check
+        self._io = io_executor(store.backend.calls_release_gil, "store-get")  # gets beside the check
         # A load that missed its deadline and still runs: it owns the load staging until done.
         self._late_fetch: Future | None = None
         # load_mode "async": request id -> its load, until reported in finished_recving (once).

@@ -28,7 +28,7 @@ from kv_common.logging_utils import get_logger
 from kv_store.config import StoreConnectorConfig
 from kv_store.kv_view import KVBlockView
 from kv_store.metadata import BlockTransfer, StorePlan
-from kv_store.passes import double_buffered, puts_overlapped
+from kv_store.passes import double_buffered, io_executor, puts_overlapped
 from kv_store.staging import CacheBuffers, TrailerArea
 from kv_store.store_access import StoreAccess
 
@@ -49,7 +49,7 @@ class StoreSaver:
         self.writes_blocks = writes_blocks
         self._cache: CacheBuffers | None = None  # from register_kv_caches
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-save")
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-put")  # puts beside the seal
+        self._io = io_executor(store.backend.calls_release_gil, "store-put")  # puts beside the seal
         self._lock = threading.Lock()
         self._pending: dict[str, list[_SaveJob]] = defaultdict(list)
         # Saves given up after save_timeout_s: no later chunk of them is gathered (their blocks

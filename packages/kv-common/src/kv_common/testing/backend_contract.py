@@ -95,7 +95,9 @@ class BackendContract:
 
     def test_pass_size_and_call_bound_are_well_formed(self, backend: Backend) -> None:
         """How a caller drives the backend: a positive pass size or None (whole request), and a
-        call bound that is None (unbounded) or a non-negative time that grows with the bytes."""
+        call bound that is None (unbounded) or a non-negative time that grows with the bytes, and
+        whether its calls leave the GIL (a bool: the caller's thread or an I/O thread)."""
+        assert isinstance(backend.calls_release_gil, bool)
         assert backend.pass_bytes is None or (isinstance(backend.pass_bytes, int) and backend.pass_bytes > 0)
         small, large = backend.call_bound_s(self.value_size), backend.call_bound_s(1024 * self.value_size)
         assert (small is None) == (large is None)
