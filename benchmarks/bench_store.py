@@ -48,6 +48,12 @@ def keep_freed_memory() -> str:
     )
 
 
+# kv-store's README setting that keeps Mooncake loads zero-copy under the default 10 s
+# load_timeout_s: Mooncake then ends its own calls within 3 s + 5 s (``Backend.call_bound_s``).
+MOONCAKE_BOUNDED = "mooncake, timeouts 3+5 s"
+BOUNDED_TIMEOUTS = {"MC_RPC_TIMEOUT_MS": "3000", "MC_TCP_PROGRESS_TIMEOUT_SEC": "5"}
+
+
 def _backend(name: str, master: MooncakeMaster | None, total_bytes: int):
     if name == "embedded":
         from kv_store.embedded import EmbeddedStoreBackend
@@ -56,11 +62,21 @@ def _backend(name: str, master: MooncakeMaster | None, total_bytes: int):
     from kv_store.mooncake_backend import MooncakeBackend
 
     assert master is not None
-    return MooncakeBackend({
-        "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "device_name": "",
-        "master_server_address": master.address, "global_segment_size": 8 * total_bytes,
-        "local_buffer_size": 64 << 20,
-    }, setup_retries=1, setup_timeout_s=30)
+    timeouts = BOUNDED_TIMEOUTS if name == MOONCAKE_BOUNDED else {}
+    saved = {k: os.environ.get(k) for k in timeouts}
+    os.environ.update(timeouts)  # read by the client as it is set up
+    try:
+        return MooncakeBackend({
+            "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "device_name": "",
+            "master_server_address": master.address, "global_segment_size": 8 * total_bytes,
+            "local_buffer_size": 64 << 20,
+        }, setup_retries=1, setup_timeout_s=30)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _remove(backend, keys: list[str]) -> None:
@@ -182,7 +198,9 @@ def run(quick: bool) -> Section:
             f"backend's raw `batch_put` / `batch_get_into` of the same bytes, {total >> 20} MiB per "
             f"repetition, median of {reps} repetitions, connector and raw alternating. `ratio` = "
             "connector / raw (target 0.9 or more), with the connector's value check on (its default "
-            "checksum) and its default load deadline. `no crc`: the same with `checksum: false` and no load "
+            "checksum) and its default load deadline. `mooncake, timeouts 3+5 s`: Mooncake with "
+            "`MC_RPC_TIMEOUT_MS=3000 MC_TCP_PROGRESS_TIMEOUT_SEC=5` (kv-store's README setting), whose calls "
+            "then end within the 10 s load deadline, so its loads go zero-copy. `no crc`: the same with `checksum: false` and no load "
             "deadline (`load_timeout_s: 0`), so loads go zero-copy into the KV cache: the connector's cost "
             "without the check and without staging. `staging`: the worker's gather/scatter path (backends without "
             "the zero-copy parts protocol, e.g. UCM), with the check."
@@ -197,7 +215,7 @@ def run(quick: bool) -> Section:
         import mooncake.store  # noqa: F401
 
         master = MooncakeMaster().__enter__()
-        backends.append("mooncake")
+        backends += ["mooncake", MOONCAKE_BOUNDED]
     except Exception as exc:  # noqa: BLE001
         section.notes.append(f"mooncake not measured: {type(exc).__name__}: {exc}")
     rows, results, instances = [], {}, {}
@@ -205,6 +223,9 @@ def run(quick: bool) -> Section:
         jobs = [(b, s) for b in backends for s in sizes]
         for name, size in progress(jobs, total=len(jobs), desc="store"):
             if name not in instances:
+                for other in instances.values():  # one client at a time: a second one's segment
+                    other.close()                 # would take some of the values over TCP
+                instances.clear()
                 instances[name] = _backend(name, master, total)
             r = _measure(instances[name], size, total, reps, staging=False)
             # Without the check and without a load deadline: the zero-copy path end to end (a deadline
@@ -230,8 +251,9 @@ def run(quick: bool) -> Section:
          "get ratio, no crc", "get ratio, staging"],
         rows,
     ))
-    section.claims += store_claims(results, backends, sizes)
-    section.claims.append(why_claim(results, backends, sizes))
+    ceilings = _ceilings()
+    section.claims += store_claims(results, backends, sizes, ceilings)
+    section.claims.append(why_claim(results, backends, sizes, ceilings))
     try:
         section.plots.append(_plot(results, sizes, backends))
     except ImportError as exc:
@@ -239,9 +261,22 @@ def run(quick: bool) -> Section:
     return section
 
 
-def store_claims(results: dict, backends: list[str], sizes: list[int]) -> list[Claim]:
+def _ceilings() -> dict[str, float] | None:
+    """The one-core ceilings of this run (``bench_integrity_cost.one_core_ceilings``); None without xxhash."""
+    from benchmarks.bench_integrity_cost import one_core_ceilings
+
+    try:
+        return one_core_ceilings(memoryview(os.urandom(32 << 20)))
+    except ImportError:
+        return None
+
+
+def store_claims(results: dict, backends: list[str], sizes: list[int],
+                 ceilings: dict[str, float] | None = None) -> list[Claim]:
     """Per backend and direction: the worst ratio with the checksum on against the 0.9 target,
-    and what the same size gives without the checksum (the checksum's share of the gap)."""
+    and what the same size gives without the checksum (the checksum's share of the gap). The
+    embedded store, whose raw side is a memory copy, is held to its one-core ceiling (issue 25:
+    copy plus check on one core, measured in this run), the others to 0.9."""
     claims = []
     for name in backends:
         for d in ("put", "get"):
@@ -251,34 +286,35 @@ def store_claims(results: dict, backends: list[str], sizes: list[int]) -> list[C
                 continue
             worst, size = min(got)
             nc = results[(name, size)][2]
-            claims.append(against_target(
-                f"{name} {d}, connector / raw with the value check on, worst block size ({size >> 10} KiB; "
-                f"range {min(got)[0]:.2f}-{max(got)[0]:.2f}; without the check {nc[f'{d}_conn'] / nc[f'{d}_raw']:.2f})",
-                worst, 0.9, fmt=".2f"))
+            what = (f"{name} {d}, connector / raw with the value check on, worst block size ({size >> 10} KiB; "
+                    f"range {min(got)[0]:.2f}-{max(got)[0]:.2f}; without the check "
+                    f"{nc[f'{d}_conn'] / nc[f'{d}_raw']:.2f})")
+            if name == "embedded" and ceilings is not None:
+                # zero-copy loads under the deadline: a get is a copy plus a check too
+                claims.append(against_target(f"{what} against its one-core ceiling (copy + xxh3 check on one "
+                                             "core, this run)", worst, ceilings["put"], fmt=".2f"))
+            else:
+                claims.append(against_target(what, worst, 0.9, fmt=".2f"))
     return claims
 
 
-def why_claim(results: dict, backends: list[str], sizes: list[int]) -> Claim:
+def why_claim(results: dict, backends: list[str], sizes: list[int], c: dict[str, float] | None) -> Claim:
     """Why the ratios sit where they do, from figures of this run: the one-core ceiling of a copy
     plus the xxh3 check (``bench_integrity_cost.one_core_ceilings``) and the ratios without it."""
-    from benchmarks.bench_integrity_cost import one_core_ceilings
-
-    try:
-        c = one_core_ceilings(memoryview(os.urandom(32 << 20)))
-    except ImportError as exc:
-        return Claim(f"one-core ceiling not measured: {exc}")
+    if c is None:
+        return Claim("one-core ceiling not measured: xxhash missing")
     nc = {d: [results[(b, s)][2][f"{d}_conn"] / results[(b, s)][2][f"{d}_raw"] for b in backends for s in sizes
               if (b, s) in results] for d in ("put", "get")}
     return Claim(
-        "why short of 0.9: the worker does the raw backend's copy plus the xxh3 check on the same core; "
-        f"on this machine, in this run, that alone caps put at {c['put']:.2f} of a plain copy and a load "
-        f"through staging (the default: load_timeout_s bounds it, so the late copy lands in staging, never "
-        f"in the KV cache, and a second copy scatters it) at {c['get_staged']:.2f}; without the check the "
-        f"connector measured put {min(nc['put']):.2f}-{max(nc['put']):.2f} and get "
+        "why short of 0.9: the worker does the raw backend's copy plus the xxh3 check; on one core, on this "
+        f"machine, in this run, that alone caps a put and a zero-copy load at {c['put']:.2f} of a plain copy, "
+        f"and a load through staging at {c['get_staged']:.2f} (Mooncake at its default 30 s + 30 s timeouts, "
+        "longer than load_timeout_s: a late copy must land in staging, never in the KV cache, and a second "
+        f"copy scatters it; `{MOONCAKE_BOUNDED}` is kv-store's README setting that keeps its loads zero-copy); "
+        f"without the check the connector measured put {min(nc['put']):.2f}-{max(nc['put']):.2f} and get "
         f"{min(nc['get']):.2f}-{max(nc['get']):.2f} of raw (zero-copy loads, no deadline: per-call and plan "
-        "overhead only). "
-        "Reaching 0.9 needs the check off the copying core (xxh3 releases the GIL: a hasher thread per "
-        "pass) and the scatter inside the load's passes; on this shared 2-core VM the second core is rarely free"
+        "overhead only). The embedded store copies under the GIL, so its calls run on the caller's thread; "
+        "beyond its ceiling the check would need another core, which on this shared 2-core VM is rarely free"
     )
 
 
