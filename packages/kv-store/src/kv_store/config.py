@@ -31,6 +31,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from kv_common import vllm_compat
 from kv_common.config import ConfigKeyError, ConnectorConfig, parse_extra_config
+from kv_common.idle_step import DEFAULT_IDLE_STEP_WAIT_MS, check_idle_step_wait_ms
 
 # --- the generic keys of every store-backed connector (kv-ucm's UCMConfig subclasses this) ---
 # Why load_mode "layerwise" is refused (and vllm-ascend's / UCM's use_layerwise has no effect).
@@ -89,10 +90,18 @@ class StoreConnectorConfig(ConnectorConfig, frozen=True):  # frozen like its bas
     load_failure_policy: Literal["recompute", "vllm"] = "recompute"
     # Seconds shutdown waits for in-flight saves.
     shutdown_timeout_s: float = 30.0
+    # A vLLM step that schedules no token while saves or async loads are in flight (vLLM keeps
+    # stepping for them) waits up to this long for one to end instead of spinning
+    # (kv_common.idle_step); 0: no wait. A request arriving meanwhile starts up to this much later.
+    idle_step_wait_ms: float = DEFAULT_IDLE_STEP_WAIT_MS
 
     def check(self) -> None:
         if self.load_mode == "layerwise":
             raise ConfigKeyError("load_mode", LAYERWISE_REMOVED)
+        try:
+            check_idle_step_wait_ms(self.idle_step_wait_ms)
+        except ValueError as exc:
+            raise ConfigKeyError("idle_step_wait_ms", str(exc)) from None
 
 
 # --- AscendStoreConnector's own keys: which backend, and its options ---

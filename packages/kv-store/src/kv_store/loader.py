@@ -75,8 +75,10 @@ class _AsyncLoad:
 
 
 class StoreLoader:
-    def __init__(self, store: StoreAccess, config: StoreConnectorConfig, *, ledger: FailureLedger) -> None:
+    def __init__(self, store: StoreAccess, config: StoreConnectorConfig, *, ledger: FailureLedger,
+                 on_done: Callable[[], None] = lambda: None) -> None:
         self._store = store
+        self._on_done = on_done  # an async load ended: news for an idle step's wait
         self.config = config
         self.ledger = ledger
         self._cache: CacheBuffers | None = None  # from register_kv_caches
@@ -341,6 +343,7 @@ class StoreLoader:
                 self._store.stats.incr("loads_skipped_backend_stalled")
             else:
                 job.future = self._executor.submit(self._run_async, job)
+                job.future.add_done_callback(lambda _f: self._on_done())
             self._async_loads[transfer.request_id] = job
 
     def _run_async(self, job: _AsyncLoad) -> None:

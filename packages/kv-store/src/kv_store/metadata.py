@@ -23,6 +23,7 @@ class StorePlan(msgspec.Struct, kw_only=True):
     loads: list[BlockTransfer] = []
     saves: list[BlockTransfer] = []
     preempted: list[str] = []  # in-flight saves of these must finish before their blocks are reused
+    idle: bool = False  # vLLM scheduled no token this step: the worker may wait for news (idle_step)
 
 
 class StoreReport(msgspec.Struct, kw_only=True):

@@ -42,8 +42,10 @@ class _SaveJob:
 
 
 class StoreSaver:
-    def __init__(self, store: StoreAccess, config: StoreConnectorConfig, *, writes_blocks: bool) -> None:
+    def __init__(self, store: StoreAccess, config: StoreConnectorConfig, *, writes_blocks: bool,
+                 on_done: Callable[[], None] = lambda: None) -> None:
         self._store = store
+        self._on_done = on_done  # a save ended: news for an idle step's wait (kv_common.idle_step)
         self.config = config
         # False on a rank whose tag another rank already writes (MLA, replicated GQA heads).
         self.writes_blocks = writes_blocks
@@ -85,6 +87,7 @@ class StoreSaver:
         fence = None if view.host_kv else device.record_event(view.kv_device)
         for transfer in plan.saves:
             job = _SaveJob(self._executor.submit(self._save, transfer, fence), time.monotonic())
+            job.future.add_done_callback(lambda _f: self._on_done())
             with self._lock:
                 self._pending[transfer.request_id].append(job)
 
@@ -264,6 +267,11 @@ class StoreSaver:
                 self._finished.discard(req_id)
             done.add(req_id)
         return done
+
+    def holds_requests(self) -> bool:
+        """Whether a request's blocks wait for its saves (vLLM keeps stepping meanwhile)."""
+        with self._lock:
+            return bool(self._pending or self._released_unreported)
 
     def leak_report(self) -> dict[str, int]:
         with self._lock:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from kv_common.backend import Backend
 from kv_common.failure_ledger import FailureLedger
+from kv_common.idle_step import IdleStepWait
 from kv_common.logging_utils import get_logger
 
 from kv_store import codec
@@ -53,12 +54,14 @@ class StoreWorker:
         head_size: int | None = None,
         use_mla: bool = False,
         zero_copy: bool = True,
+        idle_wait: IdleStepWait | None = None,
     ) -> None:
         """``host_kv``: whether the KV caches are host memory (None: decided from their device).
         False forces the device copy path (tests prove it on CPU with guard tensors).
         ``kv_heads`` (on this rank) and ``head_size``: to find the block dimension of the KV
         tensors (``kv_view``); None: by their strides. ``zero_copy``: False keeps a parts backend
-        on the staging path."""
+        on the staging path. ``idle_wait``: shared by the workers of one connector (one per
+        KV-cache group), so news of any of them ends an idle step's wait."""
         self.backend = backend
         self.namespace = namespace
         self.rank_tag = rank_tag
@@ -77,8 +80,11 @@ class StoreWorker:
         self.seal = ValueSeal(config.checksum, codec.mac_key_from_env(config.mac_key_env))
         self._report = BlockReport()
         store = StoreAccess(backend, self.keys, self.seal, self.stats, self._report)
-        self.saver = StoreSaver(store, config, writes_blocks=writes_blocks)
-        self.loader = StoreLoader(store, config, ledger=self.ledger)
+        # An idle vLLM step (no token scheduled, only saves or async loads in flight) waits here for
+        # one of them to end instead of spinning (kv_common.idle_step).
+        self.idle_wait = idle_wait if idle_wait is not None else IdleStepWait(config.idle_step_wait_ms)
+        self.saver = StoreSaver(store, config, writes_blocks=writes_blocks, on_done=self.idle_wait.notify)
+        self.loader = StoreLoader(store, config, ledger=self.ledger, on_done=self.idle_wait.notify)
         self._closed = False
 
     # ---- layout ---------------------------------------------------------------------------
@@ -126,6 +132,16 @@ class StoreWorker:
 
     def wait_for_request_saves(self, request_ids: Sequence[str]) -> None:
         self.saver.wait_for(request_ids)
+
+    def in_flight(self) -> bool:
+        """Whether vLLM keeps stepping for this worker: async loads not reported, or requests whose
+        blocks wait for their saves."""
+        return self.loader.pending > 0 or self.saver.holds_requests()
+
+    def wait_if_idle(self, idle: bool) -> None:
+        """Before the step's report: in a step vLLM scheduled no token for, wait (at most
+        ``idle_step_wait_ms``) for a save or an async load in flight to end; at once otherwise."""
+        self.idle_wait.before_report(idle and self.in_flight())
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         self.ledger.forget_requests(finished_req_ids)  # their failed blocks went out when they failed
