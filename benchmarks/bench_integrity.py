@@ -22,8 +22,10 @@ from benchmarks.bench_store import (
     LAYERS,
     TOKEN_BYTES,
     _backend,
+    _ceilings,
     _remove,
     keep_freed_memory,
+    ratio_claim,
 )
 
 VARIANTS = {
@@ -154,18 +156,15 @@ def _rows(quick: bool, notes: list[str]) -> tuple[list[list], dict, str]:
 
 
 def claims(results: dict) -> list:
-    """The default (xxh3, loads with a deadline) against the 0.9 target, worst size per backend and
+    """The default (xxh3, loads with a deadline) against its target (``ratio_claim``), worst size per backend and
     direction, and the one-core ceiling that explains the gap."""
-    from benchmarks.bench_integrity_cost import one_core_ceilings
-    from benchmarks.report import Claim, against_target
+    from benchmarks.report import Claim
 
     out = []
     default = "xxh3 (default), loads with deadline"
-    try:
-        c: dict[str, float] | None = one_core_ceilings(memoryview(os.urandom(32 << 20)))
-    except ImportError as exc:
-        c = None
-        out.append(Claim(f"one-core ceiling not measured: {exc}"))
+    c = _ceilings()
+    if c is None:
+        out.append(Claim("one-core ceiling not measured: xxhash missing"))
     for name in sorted({k[0] for k in results}):
         for op in ("put", "get"):
             got = [(r[f"{op}_ratio"], size) for (b, size, v), r in results.items() if b == name and v == default]
@@ -176,11 +175,7 @@ def claims(results: dict) -> list:
             extra = f"; no check, zero-copy loads: {nocheck[f'{op}_ratio']:.2f}" if nocheck else ""
             what = (f"{name} {op}, connector / raw, xxh3 check on, loads with a deadline (the defaults), worst "
                     f"value size ({size >> 10} KiB{extra})")
-            if name == "embedded" and c is not None:  # its loads are zero-copy: a copy plus a check
-                out.append(against_target(f"{what} against its one-core ceiling (copy + xxh3 check, this run)",
-                                          worst, c["put"], fmt=".2f"))
-            else:
-                out.append(against_target(what, worst, 0.9, fmt=".2f"))
+            out.append(ratio_claim(what, name, worst, c))
     if c is not None:
         out.append(Claim(
             f"why: a copy plus the xxh3 check on one core reaches {c['put']:.2f} of the copy alone (a put, or a "

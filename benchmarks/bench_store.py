@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from unittest import mock
 
 from kv_store.testing import MooncakeMaster
 
@@ -63,20 +64,12 @@ def _backend(name: str, master: MooncakeMaster | None, total_bytes: int):
 
     assert master is not None
     timeouts = BOUNDED_TIMEOUTS if name == MOONCAKE_BOUNDED else {}
-    saved = {k: os.environ.get(k) for k in timeouts}
-    os.environ.update(timeouts)  # read by the client as it is set up
-    try:
+    with mock.patch.dict(os.environ, timeouts):  # read by the client as it is set up
         return MooncakeBackend({
             "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "device_name": "",
             "master_server_address": master.address, "global_segment_size": 8 * total_bytes,
             "local_buffer_size": 64 << 20,
         }, setup_retries=1, setup_timeout_s=30)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _remove(backend, keys: list[str]) -> None:
@@ -271,6 +264,16 @@ def _ceilings() -> dict[str, float] | None:
         return None
 
 
+def ratio_claim(what: str, backend: str, worst: float, ceilings: dict[str, float] | None) -> Claim:
+    """``worst`` (connector / raw, check on) against its issue-25 target: the embedded store, whose
+    raw side is a memory copy and whose loads are zero-copy (a copy plus a check either way), its
+    one-core ceiling measured in this run; every other backend 0.9."""
+    if backend == "embedded" and ceilings is not None:
+        return against_target(f"{what} against its one-core ceiling (copy + xxh3 check on one core, this run)",
+                              worst, ceilings["put"], fmt=".2f")
+    return against_target(what, worst, 0.9, fmt=".2f")
+
+
 def store_claims(results: dict, backends: list[str], sizes: list[int],
                  ceilings: dict[str, float] | None = None) -> list[Claim]:
     """Per backend and direction: the worst ratio with the checksum on against the 0.9 target,
@@ -289,12 +292,7 @@ def store_claims(results: dict, backends: list[str], sizes: list[int],
             what = (f"{name} {d}, connector / raw with the value check on, worst block size ({size >> 10} KiB; "
                     f"range {min(got)[0]:.2f}-{max(got)[0]:.2f}; without the check "
                     f"{nc[f'{d}_conn'] / nc[f'{d}_raw']:.2f})")
-            if name == "embedded" and ceilings is not None:
-                # zero-copy loads under the deadline: a get is a copy plus a check too
-                claims.append(against_target(f"{what} against its one-core ceiling (copy + xxh3 check on one "
-                                             "core, this run)", worst, ceilings["put"], fmt=".2f"))
-            else:
-                claims.append(against_target(what, worst, 0.9, fmt=".2f"))
+            claims.append(ratio_claim(what, name, worst, ceilings))
     return claims
 
 
