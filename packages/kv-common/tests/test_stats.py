@@ -163,3 +163,20 @@ def test_prom_metrics_are_fed_from_the_stats_dict_per_engine():
     assert value("vllm:probe_seconds_bucket", {**one, "le": "0.1"}) == 1
     assert value("vllm:probe_retries_total", zero) == 0
     assert value("vllm:probe_seconds_count", zero) == 0
+
+
+def test_phases_reduce_to_means_and_survive_the_round_trip():
+    a, b = TransferStatsBase(), TransferStatsBase()
+    a.record_phases({"plan": 0.001, "read": 0.010})
+    a.record_phases({"plan": 0.003, "read": 0.020, "confirm": 0.0005})
+    b.record_phases({"read": 0.030, "confirm": -1.0})  # a clock step never makes a phase negative
+    a.aggregate(TransferStatsBase.from_dict(b.to_dict()))
+    r = a.reduce()
+    assert r["plan_mean_ms"] == pytest.approx(2.0)
+    assert r["read_mean_ms"] == pytest.approx(20.0)
+    assert r["confirm_mean_ms"] == pytest.approx(0.25)
+    assert a.phase_means_s() == pytest.approx({"plan": 0.002, "read": 0.020, "confirm": 0.00025})
+    d = a.to_dict()
+    assert TransferStatsBase.from_dict(d).to_dict() == d
+    a.reset()
+    assert a.phase_means_s() == {} and "read_mean_ms" not in a.reduce()

@@ -168,6 +168,32 @@ def test_verify_kv_on_the_decode_only_fails_closed():
         prefill.worker.close()
 
 
+def test_a_pull_says_where_its_time_went_and_a_failed_one_says_nothing():
+    """The decode's stats split each rank's pull into planning, the hand-off to a pull thread, the
+    lease (PullStarted sent), the read and the DONE's round trip: their sum is the pull's time."""
+    cfg = MooncakeConfig(pull_timeout_s=10.0)
+    prefill = Instance(cfg, producer=True, seed=9)
+    decode = Instance(cfg, producer=False, seed=10)
+    port = prefill.worker.side_channel_port
+    try:
+        prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="ok", num_blocks=3, block_ids=[1, 2, 3])]))
+        assert _pull_and_wait(decode, _pull("ok", port, [1, 2, 3], [10, 11, 12])) == set()
+        stats = decode.worker.stats
+        phases = stats.phase_means_s()
+        assert set(phases) == {"pull_plan", "pull_hand_off", "pull_lease", "pull_read", "pull_confirm"}
+        assert all(s >= 0 for s in phases.values()) and phases["pull_read"] > 0 and phases["pull_confirm"] > 0
+        (took,) = stats.to_dict()["durations_s"]
+        assert sum(phases.values()) <= took + 1e-3
+        assert stats.reduce()["pull_read_mean_ms"] > 0
+        stats.reset()
+        # Not held on the prefill: refused, so no read and nothing timed.
+        assert _pull_and_wait(decode, _pull("gone", port, [5], [20])) == {20}
+        assert stats.phase_means_s() == {}
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
 def _wait_pulled(decode: Instance, request_id: str, prefill: Instance | None = None) -> tuple[set[int], set[str]]:
     """Load errors of ``request_id``'s pull, and what ``prefill`` freed meanwhile (its engine steps go on)."""
     deadline = time.monotonic() + 20

@@ -43,6 +43,8 @@ class TransferStatsBase:
             self.durations_s: list[float] = []
             self.failures: dict[str, int] = {}
             self.counters: dict[str, int] = {}
+            # Where a transfer's time goes: phase -> [transfers timed, seconds summed] (record_phases).
+            self.phases: dict[str, list[float]] = {}
 
     def record_transfer(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -60,6 +62,15 @@ class TransferStatsBase:
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
 
+    def record_phases(self, seconds: Mapping[str, float]) -> None:
+        """One transfer's time split into named phases (e.g. plan, read, confirm): the log shows each
+        phase's mean, so a slow transfer says which part of it was slow."""
+        with self._lock:
+            for name, s in seconds.items():
+                entry = self.phases.setdefault(name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += max(0.0, float(s))
+
     def is_empty(self) -> bool:
         return self.num_transfers == 0 and not self.failures and not any(self.counters.values())
 
@@ -73,6 +84,7 @@ class TransferStatsBase:
                 "durations_s": list(self.durations_s),
                 "failures": dict(self.failures),
                 "counters": dict(self.counters),
+                "phases": {name: list(entry) for name, entry in self.phases.items()},
             }
 
     @classmethod
@@ -85,6 +97,7 @@ class TransferStatsBase:
         stats.durations_s = [float(d) for d in data.get("durations_s", ())][:MAX_DURATION_SAMPLES]
         stats.failures = {str(k): int(v) for k, v in dict(data.get("failures", {})).items()}
         stats.counters = {str(k): int(v) for k, v in dict(data.get("counters", {})).items()}
+        stats.phases = {str(k): [int(n), float(s)] for k, (n, s) in dict(data.get("phases", {})).items()}
         return stats
 
     def aggregate(self, other: TransferStatsBase) -> TransferStatsBase:
@@ -100,6 +113,10 @@ class TransferStatsBase:
                 self.failures[name] = self.failures.get(name, 0) + n
             for name, n in snapshot["counters"].items():
                 self.counters[name] = self.counters.get(name, 0) + n
+            for name, (n, s) in snapshot["phases"].items():
+                entry = self.phases.setdefault(name, [0, 0.0])
+                entry[0] += n
+                entry[1] += s
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -117,7 +134,13 @@ class TransferStatsBase:
             }
             out.update({f"failures_{kind}": n for kind, n in sorted(self.failures.items())})
             out.update(sorted(self.counters.items()))
+            out.update({f"{name}_mean_ms": round(s / n * 1e3, 3) for name, (n, s) in sorted(self.phases.items()) if n})
         return out
+
+    def phase_means_s(self) -> dict[str, float]:
+        """Mean seconds per timed transfer of each phase (``record_phases``)."""
+        with self._lock:
+            return {name: s / n for name, (n, s) in self.phases.items() if n}
 
 
 def make_vllm_stats_class(

@@ -67,6 +67,7 @@ class _PullJob:
     prefill: PrefillLayout
     start: float
     deadline: float = 0.0
+    planned: float = 0.0  # time.monotonic() once planned and handed to the ranks' queues
     counts: dict[PrefillRank, int] = field(default_factory=dict)
     pulls: list[RankPull] = field(default_factory=list)
     by_source: dict[PrefillRank, list[RankPull]] = field(default_factory=dict)  # ``pulls`` per prefill rank
@@ -80,6 +81,23 @@ class _PullJob:
     partition: tuple[int, ...] = ()
     stage_layers: tuple[tuple[str, ...], ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _RankTimes:
+    """When one rank's pull passed each point (``time.monotonic()``), for ``stats.record_phases``."""
+
+    begun: float  # a pull thread took it
+    read_begun: float = 0.0  # handshake known, PullStarted sent: the read starts
+    read_done: float = 0.0
+
+    def phases(self, job: _PullJob, confirmed: float) -> dict[str, float]:
+        """Seconds of: planning on the engine's thread, the hand-off to a pull thread, the lease
+        (handshake lookup, PullStarted sent), the read (with verify_kv's check), the DONE's round trip."""
+        planned = job.planned or self.begun  # inline (no pull threads): no hand-off
+        return {"pull_plan": planned - job.start, "pull_hand_off": self.begun - planned,
+                "pull_lease": self.read_begun - self.begun, "pull_read": self.read_done - self.read_begun,
+                "pull_confirm": confirmed - self.read_done}
 
 
 # ---- byte ranges of a pull (pure: the handshake and this rank's cache in, addresses out) ----------
@@ -317,6 +335,7 @@ class DecodePuller:
             if self._queues is None:  # kv_producer only: still answer the protocol, inline
                 self._pull_rank(job, pulls, address)
                 continue
+            job.planned = job.planned or time.monotonic()
             try:
                 self._queues.submit(address, self._pull_rank, job, pulls, address)
             except RuntimeError as exc:  # shutting down
@@ -325,13 +344,17 @@ class DecodePuller:
     def _pull_rank(self, job: _PullJob, pulls: list[RankPull], address: str) -> None:
         read: set[tuple[int, int]] = set()  # (group, local block position) fully read from this rank
         nbytes, error = 0, None
+        times = _RankTimes(begun=time.monotonic())
         try:
             self.messenger.check_not_down(address)
-            nbytes = self._pull_from_rank(job, pulls, address, read)
+            nbytes = self._pull_from_rank(job, pulls, address, read, times)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a load error, never a hang
             error = exc
+        times.read_done = time.monotonic()
         if read:
             error = self._confirm_read(job, pulls[0], address, read, error)
+        if error is None and read:
+            self.stats.record_phases(times.phases(job, time.monotonic()))
         self._rank_done(job, pulls, nbytes, read, error)
 
     def _confirm_read(self, job: _PullJob, pull: RankPull, address: str, read: set[tuple[int, int]],
@@ -398,7 +421,8 @@ class DecodePuller:
         self.messenger.pull_finished(source, job.prefill, job.counts, [ps[0] for ps in job.by_source.values()],
                                      job.failed_ranks, frozenset(job.told))
 
-    def _pull_from_rank(self, job: _PullJob, pulls: list[RankPull], address: str, read: set[tuple[int, int]]) -> int:
+    def _pull_from_rank(self, job: _PullJob, pulls: list[RankPull], address: str, read: set[tuple[int, int]],
+                        times: _RankTimes) -> int:
         req, deadline = job.req, job.deadline
         source = req.source
         hs = self.messenger.handshake(address, source.engine_id, deadline)
@@ -413,6 +437,7 @@ class DecodePuller:
                                 prompt_digest=req.prompt_digest)
         # Read first, confirm after (early_lease): the lease's answer is awaited once a batch landed.
         lease = self.messenger.start_lease(address, started, deadline)
+        times.read_begun = time.monotonic()
         try:
             delay = self.config.debug_pull_chunk_delay_s
             if delay:  # test-only: a window in which the lease is taken but no byte has moved
