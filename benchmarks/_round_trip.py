@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 GAP_S = 0.002  # between exchanges: the threads on both sides go to sleep, as during a read
 _QUIT = b"q"
@@ -46,41 +47,50 @@ def _serve_tcp(port: int) -> None:
         conn.sendall(data)
 
 
+def _timed(n: int, exchange: Callable[[], None]) -> list[float]:
+    """Seconds of each of ``n`` calls of ``exchange()`` (one request / reply), each after ``GAP_S``."""
+    out = []
+    for _ in range(n):
+        time.sleep(GAP_S)
+        t0 = time.perf_counter()
+        exchange()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def _exchanges_zmq(port: int, n: int) -> list[float]:
     import zmq
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
     sock.connect(f"tcp://127.0.0.1:{port}")
-    out = []
+
+    def exchange() -> None:
+        sock.send(b"x")
+        if not sock.poll(5000):
+            raise RuntimeError("no ZeroMQ echo within 5 s")
+        sock.recv()
+
     try:
-        for _ in range(n + 1):  # the first one connects
-            time.sleep(GAP_S)
-            t0 = time.perf_counter()
-            sock.send(b"x")
-            if not sock.poll(5000):
-                raise RuntimeError("no ZeroMQ echo within 5 s")
-            sock.recv()
-            out.append(time.perf_counter() - t0)
+        out = _timed(n + 1, exchange)[1:]  # the first one connects
         sock.send(_QUIT)
         sock.poll(5000)
     finally:
         sock.close(linger=0)
         ctx.term()
-    return out[1:]
+    return out
 
 
 def _exchanges_tcp(port: int, n: int) -> list[float]:
-    out = []
     with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(n):
-            time.sleep(GAP_S)
-            t0 = time.perf_counter()
+
+        def exchange() -> None:
             conn.sendall(b"x")
             if not conn.recv(64):
                 raise RuntimeError("the TCP echo peer closed")
-            out.append(time.perf_counter() - t0)
+
+        out = _timed(n, exchange)
         conn.sendall(_QUIT)
     return out
 
