@@ -8,6 +8,7 @@ import msgspec
 import pytest
 import zmq
 from kv_common.testing.freeze import freeze
+from kv_mooncake import side_channel
 from kv_mooncake.side_channel import (
     ErrorReply,
     SideChannelClient,
@@ -17,6 +18,7 @@ from kv_mooncake.side_channel import (
     open_socket_count,
     request,
 )
+from raw_side_channel import RawConnection, RawServer, raw_exchange
 
 
 class Ping(msgspec.Struct, tag=True):
@@ -66,21 +68,15 @@ def test_sockets_are_closed_after_each_call(server):
 
 
 def test_deadline_raises_timeout():
-    # A bound ROUTER that never answers: the request is delivered but no reply comes.
-    ctx = zmq.Context()
-    silent = ctx.socket(zmq.ROUTER)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    # A listener that never answers: the connection is taken, the request delivered, no reply comes.
     before = open_socket_count()
-    try:
+    with RawServer() as silent:
         start = time.monotonic()
         with pytest.raises(SideChannelTimeout):
-            request(f"127.0.0.1:{port}", Ping("x"), (Pong,), timeout_s=0.3)
+            request(silent.address, Ping("x"), (Pong,), timeout_s=0.3)
         elapsed = time.monotonic() - start
         assert 0.25 <= elapsed < 5, elapsed  # the deadline, not a hang (generous: CI stalls)
         assert open_socket_count() == before
-    finally:
-        silent.close(0)
-        ctx.term()
 
 
 def test_nobody_listening_times_out():
@@ -96,19 +92,19 @@ class socket_port:
     """Find a free port by binding and releasing it."""
 
     def __enter__(self) -> int:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        return self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.server = RawServer()
+        return self.server.port
 
     def __exit__(self, *exc: object) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+        self.server.close()
 
 
-def test_oversize_request_is_dropped_and_server_keeps_serving(server, caplog):
+def test_oversize_request_is_refused_by_name_and_server_keeps_serving(server, caplog):
     big = Blob(b"x" * 10_000)  # beyond the server's 4096-byte limit
-    with pytest.raises(SideChannelTimeout):  # zmq drops the frame and the peer: no reply
-        request(server.address, big, (Pong,), timeout_s=0.5, max_message_bytes=1 << 20)
+    with caplog.at_level(logging.WARNING, logger="kv_mooncake.side_channel"), \
+            pytest.raises(SideChannelError, match="message too large"):
+        request(server.address, big, (Pong,), timeout_s=5, max_message_bytes=1 << 20)
+    assert any("10" in r.getMessage() and "limit 4096" in r.getMessage() for r in caplog.records)
     assert server.is_running
     assert request(server.address, Ping("still"), (Pong,), timeout_s=5) == Pong("STILL")
 
@@ -127,26 +123,10 @@ def test_reply_too_large_becomes_error_reply():
         request(srv.address, Ping("x"), (Pong,), timeout_s=5)
 
 
-def _raw_dealer_exchange(port: int, frames: list[bytes], timeout_ms: int = 2000) -> list[bytes] | None:
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    try:
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        dealer.send_multipart(frames)
-        if dealer.poll(timeout_ms):
-            return dealer.recv_multipart()
-        return None
-    finally:
-        dealer.close(0)
-        ctx.term()
-
-
 def test_malformed_bytes_get_error_reply_and_one_warning(server, caplog):
     with caplog.at_level(logging.WARNING, logger="kv_mooncake.side_channel"):
-        reply = _raw_dealer_exchange(server.port, [b"\xc1\xff not msgpack"])
-    assert reply is not None
-    decoded = msgspec.msgpack.decode(reply[-1], type=ErrorReply)
+        reply = raw_exchange(server.address, b"\xc1\xff not msgpack")
+    decoded = msgspec.msgpack.decode(reply, type=ErrorReply)
     assert "undecodable" in decoded.message
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -156,15 +136,80 @@ def test_malformed_bytes_get_error_reply_and_one_warning(server, caplog):
 
 def test_wrong_struct_type_is_rejected(server):
     # Valid msgpack of a type the server does not accept: rejected, never constructed.
-    reply = _raw_dealer_exchange(server.port, [msgspec.msgpack.encode(Pong("sneaky"))])
-    assert reply is not None
-    assert "undecodable" in msgspec.msgpack.decode(reply[-1], type=ErrorReply).message
+    reply = raw_exchange(server.address, msgspec.msgpack.encode(Pong("sneaky")))
+    assert "undecodable" in msgspec.msgpack.decode(reply, type=ErrorReply).message
     assert request(server.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
 
 
-def test_bad_envelope_is_dropped(server):
-    assert _raw_dealer_exchange(server.port, [b"a", b"b", b"c"], timeout_ms=300) is None
+def test_a_connection_that_is_not_a_side_channel_is_closed_with_one_warning(server, caplog):
+    with caplog.at_level(logging.WARNING, logger="kv_mooncake.side_channel"):
+        for _ in range(3):
+            with RawConnection.to(server.address, greeting=b"GET / HTTP/1.1\r\n\r\n") as conn:
+                assert conn.closed_by_peer(timeout_s=30)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and "not a side channel" in lines[0], lines  # rate limited per peer
     assert request(server.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
+
+
+def test_peers_of_the_zeromq_side_channel_are_told_apart(server):
+    """kv-mooncake before the TCP side channel spoke ZeroMQ: mixed versions fail by name, not by
+    hanging until a deadline."""
+    ctx = zmq.Context()
+    old_client = ctx.socket(zmq.REQ)
+    old_client.setsockopt(zmq.LINGER, 0)
+    old_server = ctx.socket(zmq.ROUTER)
+    old_server.setsockopt(zmq.LINGER, 0)
+    try:
+        old_client.connect(f"tcp://{server.address}")
+        old_client.send(msgspec.msgpack.encode(Ping("old")))
+        assert not old_client.poll(300)  # ours closes the connection: no reply
+        port = old_server.bind_to_random_port("tcp://127.0.0.1")
+        start = time.monotonic()
+        with pytest.raises(SideChannelError, match="not a side channel of this version"):
+            request(f"127.0.0.1:{port}", Ping("new"), (Pong,), timeout_s=30)
+        assert time.monotonic() - start < 10  # refused by the greeting, not after the deadline
+    finally:
+        old_client.close(0)
+        old_server.close(0)
+        ctx.term()
+    assert request(server.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
+
+
+def test_a_connection_stalled_inside_a_message_is_closed(server, monkeypatch, caplog):
+    monkeypatch.setattr(side_channel, "STALLED_S", 0.2)  # read by the server thread's sweep
+    with caplog.at_level(logging.WARNING, logger="kv_mooncake.side_channel"), \
+            RawConnection.to(server.address) as conn:
+        conn.sock.sendall(b"\x00\x00\x01\x00" + b"x" * 10)  # 256 bytes announced, 10 sent
+        assert conn.closed_by_peer(timeout_s=30)
+    assert any("stalled" in r.getMessage() for r in caplog.records)
+    assert server.connection_count() == 0
+    assert request(server.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
+
+
+def test_connections_beyond_the_limit_are_closed(monkeypatch, caplog):
+    monkeypatch.setattr(side_channel, "MAX_CONNECTIONS", 2)
+    with SideChannelServer("127.0.0.1", 0, handler, (Ping,)) as srv:
+        held = [RawConnection.to(srv.address) for _ in range(2)]
+        try:
+            for conn in held:  # both are served (the server has accepted them)
+                conn.send(msgspec.msgpack.encode(Ping("in")))
+                assert conn.read() is not None
+            with RawConnection.to(srv.address) as third:
+                assert third.closed_by_peer(timeout_s=30)
+            assert srv.connection_count() == 2
+        finally:
+            for conn in held:
+                conn.close()
+        # Once they are gone, new connections are served again.
+        assert request(srv.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
+
+
+def test_pipelined_requests_are_answered_in_order(server):
+    with RawConnection.to(server.address) as conn:
+        for i in range(50):
+            conn.send(msgspec.msgpack.encode(Ping(f"p{i}")))
+        replies = [msgspec.msgpack.decode(conn.read() or b"", type=Pong) for _ in range(50)]
+    assert [r.payload for r in replies] == [f"P{i}" for i in range(50)]
 
 
 def test_handler_exception_becomes_side_channel_error(server, caplog):
@@ -216,8 +261,7 @@ def test_close_stops_thread_and_frees_socket():
     assert not srv.is_running
     assert set(threading.enumerate()) <= before_threads
     assert open_socket_count() == before_sockets
-    # The port is free again: a new server can bind it (zmq releases the listener from its I/O
-    # thread just after close, so allow it a moment).
+    # The port is free again: a new server can bind it (allowed a moment, as before under ZeroMQ).
     deadline = time.monotonic() + 3.0
     while True:
         try:
@@ -276,32 +320,39 @@ def test_client_keeps_one_connection_per_peer_and_closes_it(server):
 
 
 def test_client_drops_a_timed_out_socket_so_a_late_reply_is_never_misread():
-    # A ROUTER that answers the first request only after the client gave up on it: the late reply
+    # A peer that answers the first request only after the client gave up on it: the late reply
     # must not become the answer to the second request.
-    ctx = zmq.Context()
-    slow = ctx.socket(zmq.ROUTER)
-    port = slow.bind_to_random_port("tcp://127.0.0.1")
+    slow = RawServer()
     client = SideChannelClient((Pong,))
     before = open_socket_count()
     try:
         with pytest.raises(SideChannelTimeout):
-            client.request(f"127.0.0.1:{port}", Ping("first"), timeout_s=0.3)
+            client.request(slow.address, Ping("first"), timeout_s=0.3)
         assert open_socket_count() == before  # the stuck socket was closed, not kept
-        frames = slow.recv_multipart()
-        slow.send_multipart(frames[:-1] + [msgspec.msgpack.encode(Pong("LATE FIRST"))])
+        first = slow.accept()
+        assert first.read() is not None
+        try:
+            first.send(msgspec.msgpack.encode(Pong("LATE FIRST")))
+        except OSError:
+            pass  # the client closed it already: nobody reads the late reply, as it should be
+        answers: list[object] = []
 
         def answer_second() -> None:
-            frames = slow.recv_multipart()
-            slow.send_multipart(frames[:-1] + [msgspec.msgpack.encode(Pong("SECOND"))])
+            second = slow.accept()
+            assert second.read() is not None
+            second.send(msgspec.msgpack.encode(Pong("SECOND")))
+            answers.append(second)
 
         t = threading.Thread(target=answer_second)
         t.start()
-        assert client.request(f"127.0.0.1:{port}", Ping("second"), timeout_s=5) == Pong("SECOND")
+        assert client.request(slow.address, Ping("second"), timeout_s=5) == Pong("SECOND")
         t.join(5)
+        first.close()
+        for conn in answers:
+            conn.close()  # type: ignore[attr-defined]
     finally:
         client.close()
-        slow.close(0)
-        ctx.term()
+        slow.close()
     assert open_socket_count() == before
 
 
@@ -402,7 +453,7 @@ def test_client_reconnects_to_a_restarted_peer():
         peer.stop()
 
 
-def test_client_restarted_peer_while_idle_needs_no_new_socket():
+def test_client_replaces_a_kept_connection_the_restarted_peer_closed():
     peer = _Peer(tag="first:")
     client = SideChannelClient((Pong,))
     before = open_socket_count()
@@ -411,7 +462,7 @@ def test_client_restarted_peer_while_idle_needs_no_new_socket():
         port = peer.port
         peer.stop()
         peer = _Peer(port, tag="second:")
-        # The idle socket reconnects by itself (zmq's reconnect): the request needs no retry.
+        # The kept connection was closed by the old peer: noticed before use, replaced, no error.
         assert client.request(peer.address, Ping("z"), timeout_s=10) == Pong("second:z")
         assert open_socket_count() == before + 1
     finally:
@@ -478,6 +529,11 @@ def test_client_close_leaves_no_socket_connection_or_fd():
     finally:
         client.close()
     assert open_socket_count() == before
-    baseline.assert_clean(timeout_s=10)  # zmq closes TCP connections on its I/O thread: give it time
+    baseline.assert_clean(timeout_s=10)
     for p in peers:
         p.stop()
+
+
+def test_a_host_name_reaches_a_server_on_its_ipv4_address(server):
+    # "localhost" may resolve to ::1 first; the servers listen on IPv4 addresses (as under ZeroMQ).
+    assert request(f"localhost:{server.port}", Ping("name"), (Pong,), timeout_s=5) == Pong("NAME")

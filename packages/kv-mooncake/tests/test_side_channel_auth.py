@@ -13,7 +13,6 @@ import time
 
 import msgspec
 import pytest
-import zmq
 from conftest import FakeTransferEngine
 from kv_common.testing.ports import free_port
 from kv_mooncake import protocol as P
@@ -21,6 +20,7 @@ from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.metadata import HoldRequest, MooncakeStep
 from kv_mooncake.worker import LocalCache, MooncakeWorker, query_leaks
+from raw_side_channel import RawConnection, RawServer, raw_exchange
 
 SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
 SECRET = "correct horse battery staple, twice"
@@ -111,35 +111,22 @@ def test_a_peer_with_the_secret_is_answered_and_frees(prefill):
     assert prefill.get_finished()[0] == {"r"}
 
 
-def _raw_exchange(address: str, wire: bytes) -> bytes:
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(f"tcp://{address}")
-        sock.send(wire)
-        assert sock.poll(90_000), "no reply"  # a reply that must come: a stalled vCPU is no failure
-        return sock.recv()
-    finally:
-        sock.close()
-
-
 def test_a_replayed_authenticated_message_is_refused(prefill):
     from kv_mooncake.side_channel_auth import open_reply
 
     auth = _auth(SECRET)
     wire, nonce = auth.seal_request(msgspec.msgpack.encode(P.HoldKeepAlive(request_id="r")))
-    first = open_reply(auth, _raw_exchange(prefill.server.address, wire), nonce)  # captured on the wire ...
+    first = open_reply(auth, raw_exchange(prefill.server.address, wire), nonce)  # captured on the wire ...
     assert isinstance(msgspec.msgpack.decode(first, type=P.Ack | P.Refused), P.Ack)
-    again = msgspec.msgpack.decode(_raw_exchange(prefill.server.address, wire), type=side_channel.ErrorReply)
+    again = msgspec.msgpack.decode(raw_exchange(prefill.server.address, wire), type=side_channel.ErrorReply)
     assert again.message.startswith("not authenticated")  # ... and sent again: refused
     # The same for a FreeNow replayed after the first one was answered (the hold is kept by a new one).
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r2", num_blocks=1, block_ids=[2])]))
     wire, _ = auth.seal_request(msgspec.msgpack.encode(P.FreeNow(request_id="r2")))
-    _raw_exchange(prefill.server.address, wire)
+    raw_exchange(prefill.server.address, wire)
     assert prefill.get_finished()[0] == {"r2"}
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r2", num_blocks=1, block_ids=[2])]))
-    _raw_exchange(prefill.server.address, wire)
+    raw_exchange(prefill.server.address, wire)
     assert prefill.get_finished()[0] is None
 
 
@@ -171,24 +158,20 @@ def test_two_thousand_bad_messages_log_a_bounded_number_of_lines(with_secret, mo
     else:
         monkeypatch.delenv("KV_SECRET", raising=False)
     w = _prefill()
-    ctx = zmq.Context.instance()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
+    conn = RawConnection.to(w.server.address)
     try:
         with caplog.at_level(logging.WARNING):
-            dealer.connect(f"tcp://{w.server.address}")
             for i in range(2000):
-                dealer.send_multipart([b"", b"\xc1 not msgpack %d" % i])
+                conn.send(b"\xc1 not msgpack %d" % i)
             replies = 0
-            while replies < 2000 and dealer.poll(5000):
-                dealer.recv_multipart()
+            while replies < 2000 and conn.read() is not None:
                 replies += 1
         assert replies == 2000  # each one answered (an error), none hung the server
         lines = _side_channel_warnings(caplog)
         assert len(lines) <= 3, f"{len(lines)} warning lines for 2,000 bad messages"
         assert w.server.is_running
     finally:
-        dealer.close()
+        conn.close()
         w.close()
 
 
@@ -273,27 +256,31 @@ def test_a_reply_to_another_request_or_a_plain_reply_is_not_read():
     """Someone on the path answers for the prefill: an old sealed reply (another request's), or a
     plain one. The client reads neither as the answer."""
     auth = _auth(SECRET)
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    peer = RawServer()
     client = side_channel.SideChannelClient(P.REPLY_TYPES, auth=auth)
     ack = msgspec.msgpack.encode(P.Ack())
-    try:
-        for forged, expected in ((auth.seal_reply(ack, b"x" * 16), "failed authentication"),
-                                 (ack, "unauthenticated reply")):
-            def answer(forged=forged) -> None:
-                frames = router.recv_multipart()
-                router.send_multipart(frames[:-1] + [forged])
+    forgeries = [(auth.seal_reply(ack, b"x" * 16), "failed authentication"), (ack, "unauthenticated reply")]
+    served: list[RawConnection] = []
 
-            t = threading.Thread(target=answer)
-            t.start()
+    def answer() -> None:  # each request on the client's kept connection, or on a new one
+        for forged, _ in forgeries:
+            while not served or (request := served[-1].read()) is None:
+                served.append(peer.accept())
+            assert request
+            served[-1].send(forged)
+
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        for _, expected in forgeries:
             with pytest.raises(side_channel.SideChannelError, match=expected):
-                client.request(f"127.0.0.1:{port}", P.FreeNow(request_id="r"), 3.0)
-            t.join(5)
+                client.request(peer.address, P.FreeNow(request_id="r"), 30.0)
+        t.join(30)
     finally:
         client.close()
-        router.close()
+        for conn in served:
+            conn.close()
+        peer.close()
 
 
 def test_the_proxy_frees_a_hold_only_with_the_secret(prefill, monkeypatch):

@@ -6,7 +6,8 @@ pulls to it fail at once instead of each waiting out its own deadline. After a b
 capped) one pull probes it again; any reply closes the breaker.
 
 ``ReachabilityProbe`` tells at once an address where nothing can answer (connection refused, no
-route): ZeroMQ never reports those, it reconnects quietly until the pull's deadline.
+route): the side channel does not report those, it tries again quietly until the request's deadline
+(a restarting prefill answers on a later try).
 
 ``PeerQueues`` gives every prefill rank its own small thread pool, so pulls for a healthy prefill
 never queue behind pulls waiting on a silent one.

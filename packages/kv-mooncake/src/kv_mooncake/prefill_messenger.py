@@ -57,7 +57,8 @@ class PrefillMessenger:
         self._heartbeats: ThreadPoolExecutor | None = None
         self._heartbeats_queued: set[str] = set()
         self._breaker = PeerBreaker()  # prefill ranks presumed down fail fast
-        # Addresses where nothing can answer (refused, no route) fail at once: ZeroMQ would retry quietly.
+        # Addresses where nothing can answer (refused, no route) fail at once: the side channel would
+        # retry quietly until the deadline.
         self._reachability = ReachabilityProbe(timeout_s=min(0.5, config.handshake_timeout_s))
         # Kept-open connections to the prefill ranks: a new one per message cost ~5 ms per pull.
         self._client = side_channel.SideChannelClient(

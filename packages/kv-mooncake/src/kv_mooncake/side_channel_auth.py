@@ -197,7 +197,7 @@ def secret_preflight(plan: Any, secret_env: str | None, listeners: list[tuple[st
 
 
 def is_loopback_peer(address: str | None) -> bool:
-    """A peer's literal IP address (as ZMQ reports it) is a loopback one."""
+    """A peer's literal IP address (as its connection reports it) is a loopback one."""
     if not address:
         return False
     try:
