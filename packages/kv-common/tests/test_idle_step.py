@@ -16,29 +16,40 @@ def test_only_a_step_without_tokens_is_idle():
     assert not idle_step(object())  # an output we cannot read is never taken for idle
 
 
+def _timed_report(wait: IdleStepWait, busy: bool = True) -> float:
+    t0 = time.monotonic()
+    wait.before_report(busy)
+    return time.monotonic() - t0
+
+
 def test_an_idle_step_waits_its_bound_and_a_busy_one_never_waits():
     wait = IdleStepWait(50.0)
-    t0 = time.monotonic()
-    wait.before_report(idle=False)
-    assert time.monotonic() - t0 < 0.02
-    t0 = time.monotonic()
-    wait.before_report(idle=True)
-    assert 0.045 <= time.monotonic() - t0 < 1.0
-    t0 = time.monotonic()
-    IdleStepWait(0.0).before_report(idle=True)  # 0: the wait is off
-    assert time.monotonic() - t0 < 0.02
+    wait.begin_step(False)
+    assert _timed_report(wait) < 0.02
+    wait.begin_step(True)
+    assert 0.045 <= _timed_report(wait) < 1.0
+    off = IdleStepWait(0.0)  # 0: the wait is off
+    off.begin_step(True)
+    assert _timed_report(off) < 0.02
+
+
+def test_an_idle_step_with_nothing_in_flight_or_no_metadata_never_waits():
+    wait = IdleStepWait(50.0)
+    wait.begin_step(True)
+    assert _timed_report(wait, busy=False) < 0.02  # nothing to wait for
+    wait.begin_step(True)
+    wait.before_report()
+    assert _timed_report(wait) < 0.02  # the next step's metadata never came: not known to be idle
 
 
 def test_news_ends_the_wait_at_once_and_is_never_slept_through():
     wait = IdleStepWait(MAX := 100.0)
     threading.Timer(0.01, wait.notify).start()
-    t0 = time.monotonic()
-    wait.before_report(idle=True)
-    assert time.monotonic() - t0 < MAX / 1000 * 0.8
+    wait.begin_step(True)
+    assert _timed_report(wait) < MAX / 1000 * 0.8
     wait.notify()  # news while the last report was being collected: the next step does not wait
-    t0 = time.monotonic()
-    wait.before_report(idle=True)
-    assert time.monotonic() - t0 < 0.02
+    wait.begin_step(True)
+    assert _timed_report(wait) < 0.02
 
 
 @pytest.mark.parametrize("bad", [-1.0, 101.0])

@@ -35,21 +35,28 @@ def idle_step(scheduler_output: object) -> bool:
 
 
 class IdleStepWait:
-    """The worker's wait in idle steps, ended early by ``notify`` (thread-safe)."""
+    """The worker's wait in idle steps, ended early by ``notify`` (thread-safe). One per connector:
+    ``begin_step`` when the step's metadata arrives, ``before_report`` in ``get_finished``."""
 
     def __init__(self, max_ms: float = DEFAULT_IDLE_STEP_WAIT_MS) -> None:
         check_idle_step_wait_ms(max_ms)
         self.max_s = max_ms / 1000.0
         self._news = threading.Event()
+        self._idle_step = False  # kept to the report: vLLM may clear the metadata before it
+
+    def begin_step(self, idle: bool) -> None:
+        """This step's metadata arrived: whether vLLM scheduled no token in it (``idle_step``)."""
+        self._idle_step = idle
 
     def notify(self) -> None:
         """The connector has something to report (from any thread)."""
         self._news.set()
 
-    def before_report(self, idle: bool) -> None:
-        """Call before collecting what to report. In an idle step, wait for news (at most ``max_s``).
-        The news is consumed here, before the collection: news that comes during the collection
-        ends the next wait at once, so none is slept through."""
-        if idle and self.max_s > 0:
+    def before_report(self, busy: bool = True) -> None:
+        """Call before collecting what to report. In an idle step with work in flight (``busy``),
+        wait for news (at most ``max_s``). The news is consumed here, before the collection: news
+        that comes during the collection ends the next wait at once, so none is slept through."""
+        idle, self._idle_step = self._idle_step, False  # a step whose metadata never came is not idle
+        if idle and busy and self.max_s > 0:
             self._news.wait(self.max_s)
         self._news.clear()

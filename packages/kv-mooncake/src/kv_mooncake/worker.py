@@ -87,7 +87,6 @@ class MooncakeWorker:
         # vLLM steps the engine while blocks are held or pulls run; a step that schedules nothing
         # waits here for news instead of spinning (kv_common.idle_step).
         self.idle_wait = IdleStepWait(config.idle_step_wait_ms)
-        self._idle_step = False
         self.holder = PrefillHolder(config, engine_id=engine_id, prefill_layout=self.prefill_layout, stats=self.stats,
                                     pp_rank=prefill_rank.pp_rank, on_freed=self.idle_wait.notify)
         self.puller = DecodePuller(config, reader_id=self.reader_id, decode_rank=decode_rank,
@@ -188,14 +187,13 @@ class MooncakeWorker:
 
     # ---- per step ----------------------------------------------------------------------------
     def start_step(self, step: MooncakeStep) -> None:
-        self._idle_step = step.idle
+        self.idle_wait.begin_step(step.idle)
         for hold in step.holds:
             self.holder.hold(hold.request_id, hold.num_blocks, hold.block_ids, hold.ttl_s, hold.prompt_digest)
         self.puller.start_step(step)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        self.idle_wait.before_report(self._idle_step)
-        self._idle_step = False  # a step whose metadata never came is not known to be idle
+        self.idle_wait.before_report()
         sending = self.holder.take_freed()
         recving = self.puller.take_finished()
         return sending or None, recving or None

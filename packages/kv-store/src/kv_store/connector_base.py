@@ -233,7 +233,9 @@ class StoreConnectorBase(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: 
         self.stats = StoreStats()
         self.ledger = FailureLedger()
         self._failed_loads: set[str] = set()  # several groups: async loads that failed, until reported
-        self._idle_step = False  # this step's plan said idle (no token scheduled): see get_finished
+        # An idle vLLM step (no token scheduled, saves or async loads in flight) waits for news of
+        # any group's worker instead of spinning (kv_common.idle_step).
+        self._idle_wait = IdleStepWait(cfg.idle_step_wait_ms)
         self.backend = self.make_backend(cfg, role)
         self._scheduler: StoreScheduler | None = None
         self._worker: StoreWorker | GroupedStoreWorker | None = None
@@ -270,13 +272,11 @@ class StoreConnectorBase(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: 
                 for name in group.layer_names:
                     groups[name] = g
 
-            idle_wait = IdleStepWait(cfg.idle_step_wait_ms)  # one for every group's worker
-
             def worker(tag: str, layer_groups: dict[str, int]) -> StoreWorker:
                 return StoreWorker(
                     backend=self.backend, namespace=self.namespace, rank_tag=tag, config=cfg,
                     layer_groups=layer_groups, stats=self.stats, ledger=self.ledger, writes_blocks=writes,
-                    idle_wait=idle_wait, **_kv_heads(vllm_config, bool(fp["use_mla"])),
+                    idle_wait=self._idle_wait, **_kv_heads(vllm_config, bool(fp["use_mla"])),
                 )
 
             if self.groups:
@@ -351,8 +351,7 @@ class StoreConnectorBase(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
         plan = self._plan()
-        # Kept to get_finished (vLLM may clear the metadata first): a step without tokens may wait.
-        self._idle_step = plan is not None and plan.idle
+        self._idle_wait.begin_step(plan is not None and plan.idle)
         # Async loads start as soon as the step's plan arrives: vLLM calls start_load_kv only after
         # the forward when no load of the step is synchronous.
         if self._worker is not None and self.store_config.load_mode == "async" and self._worker.value_size:
@@ -391,8 +390,7 @@ class StoreConnectorBase(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        self._worker.wait_if_idle(self._idle_step)
-        self._idle_step = False  # a step whose metadata never came is not known to be idle
+        self._idle_wait.before_report(self._worker.in_flight())
         done = self._worker.get_finished(finished_req_ids)
         loaded = self._worker.take_finished_loads(finished_req_ids)  # async loads, once each
         return (done or None), (loaded or None)

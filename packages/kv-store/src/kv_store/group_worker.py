@@ -98,11 +98,9 @@ class GroupedStoreWorker:
         for worker in self.workers.values():
             worker.wait_for_request_saves(request_ids)
 
-    def wait_if_idle(self, idle: bool) -> None:
-        """``StoreWorker.wait_if_idle`` over every group's worker (they share one wait)."""
-        workers = list(self.workers.values())
-        if workers:
-            workers[0].idle_wait.before_report(idle and any(w.in_flight() for w in workers))
+    def in_flight(self) -> bool:
+        """``StoreWorker.in_flight`` of any group's worker."""
+        return any(w.in_flight() for w in self.workers.values())
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         for index, worker in self.workers.items():

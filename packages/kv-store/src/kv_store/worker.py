@@ -138,11 +138,6 @@ class StoreWorker:
         blocks wait for their saves."""
         return self.loader.pending > 0 or self.saver.holds_requests()
 
-    def wait_if_idle(self, idle: bool) -> None:
-        """Before the step's report: in a step vLLM scheduled no token for, wait (at most
-        ``idle_step_wait_ms``) for a save or an async load in flight to end; at once otherwise."""
-        self.idle_wait.before_report(idle and self.in_flight())
-
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         self.ledger.forget_requests(finished_req_ids)  # their failed blocks went out when they failed
         return self.saver.finished(finished_req_ids)
