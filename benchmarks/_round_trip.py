@@ -1,5 +1,6 @@
 """The floor under a side-channel message: one request / reply between two processes on loopback,
-over ZeroMQ (REQ to ROUTER, what the side channel uses) and over a plain TCP socket, in the same run.
+over kv-mooncake's side channel (TCP since it left ZeroMQ), over ZeroMQ (REQ to ROUTER, what the
+side channel used before) and over a bare TCP socket, in the same run.
 
 A ZeroMQ message passes through an I/O thread on each side (the sender's thread hands it to its
 context's I/O thread, which writes the socket; the receiver's I/O thread reads it and wakes the
@@ -7,7 +8,7 @@ receiving thread): on a small machine each hand-off is a thread wake-up. A block
 the receiving thread directly. Each exchange starts after a pause (``GAP_S``), as a pull's DONE does
 after its read: both sides' threads are asleep, as they are in a pull.
 
-* ``python -m benchmarks._round_trip zmq|tcp PORT``: the echo peer (JSON-lines ready line, then
+* ``python -m benchmarks._round_trip side|zmq|tcp PORT``: the echo peer (JSON-lines ready line, then
   echoes until stdin closes).
 """
 
@@ -20,8 +21,21 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
+
 GAP_S = 0.002  # between exchanges: the threads on both sides go to sleep, as during a read
 _QUIT = b"q"
+
+
+class _Echo(msgspec.Struct, tag=True):
+    data: bytes
+
+
+def _serve_side(port: int) -> None:
+    from kv_mooncake.side_channel import SideChannelServer
+
+    SideChannelServer("127.0.0.1", port, lambda message: message, (_Echo,), name="echo").start()
+    print(json.dumps({"ready": True}), flush=True)
 
 
 def _serve_zmq(port: int) -> None:
@@ -56,6 +70,16 @@ def _timed(n: int, exchange: Callable[[], None]) -> list[float]:
         exchange()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def _exchanges_side(port: int, n: int) -> list[float]:
+    from kv_mooncake.side_channel import SideChannelClient
+
+    client = SideChannelClient((_Echo,))
+    try:
+        return _timed(n + 1, lambda: client.request(f"127.0.0.1:{port}", _Echo(b"x"), 5.0))[1:]  # the first connects
+    finally:
+        client.close()
 
 
 def _exchanges_zmq(port: int, n: int) -> list[float]:
@@ -96,13 +120,13 @@ def _exchanges_tcp(port: int, n: int) -> list[float]:
 
 
 def round_trips(n: int = 300) -> dict[str, list[float]]:
-    """Seconds of each of ``n`` exchanges per transport, ``{"zmq": [...], "tcp": [...]}``."""
+    """Seconds of each of ``n`` exchanges per transport, ``{"side": [...], "zmq": [...], "tcp": [...]}``."""
     from kv_common.testing.ports import free_port
 
     from benchmarks._te_peer import PeerProcess
 
     out: dict[str, list[float]] = {}
-    for kind, exchanges in (("zmq", _exchanges_zmq), ("tcp", _exchanges_tcp)):
+    for kind, exchanges in (("side", _exchanges_side), ("zmq", _exchanges_zmq), ("tcp", _exchanges_tcp)):
         port = free_port()
         peer = PeerProcess("benchmarks._round_trip", kind, str(port), what=f"{kind} echo peer")
         try:
@@ -113,6 +137,6 @@ def round_trips(n: int = 300) -> dict[str, list[float]]:
 
 
 if __name__ == "__main__":
-    serve = {"zmq": _serve_zmq, "tcp": _serve_tcp}[sys.argv[1]]
+    serve = {"side": _serve_side, "zmq": _serve_zmq, "tcp": _serve_tcp}[sys.argv[1]]
     threading.Thread(target=serve, args=(int(sys.argv[2]),), daemon=True).start()
     sys.stdin.read()  # serve until the parent closes stdin

@@ -139,6 +139,17 @@ def test_readers_count_each_decode_rank_once_whatever_its_groups():
         PrefillRank(0, 0): 1, PrefillRank(1, 0): 1}
 
 
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_a_decode_rank_s_own_plan_counts_as_planning_it_again(prefill_tp, decode_tp):
+    groups = kv_groups(_kv_cache_config(_spec("full", 4), _spec("sliding_window", 4, 6)))
+    blocks = group_blocks_to_pull(groups, num_tokens=23, num_computed_tokens=0)
+    prefill, decode = PrefillLayout(tp_size=prefill_tp, total_kv_heads=HEADS), DecodeLayout(tp_size=decode_tp)
+    for rank in decode.ranks():
+        own = plan_group_pulls(prefill, decode, rank, blocks, seed=7)
+        assert group_readers_per_prefill_rank(prefill, decode, blocks, 7, planned={rank: own}) == \
+            group_readers_per_prefill_rank(prefill, decode, blocks, 7)
+
+
 def _allocate_decode(manager, request_id: str, n: int) -> list[list[int]]:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request

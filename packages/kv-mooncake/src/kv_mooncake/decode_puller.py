@@ -312,8 +312,9 @@ class DecodePuller:
         try:
             if req.group_blocks:
                 no_null_blocks(req, groups)
-            job.counts = group_readers_per_prefill_rank(job.prefill, self.decode_layout, groups, seed)
             job.pulls = plan_group_pulls(job.prefill, self.decode_layout, self.decode_rank, groups, seed)
+            job.counts = group_readers_per_prefill_rank(job.prefill, self.decode_layout, groups, seed,
+                                                        planned={self.decode_rank: job.pulls})
             if req.source.pp_size > 1:
                 assert self.cache is not None
                 declared = self.config.prefill.pp_layer_partition if self.config.prefill is not None else None

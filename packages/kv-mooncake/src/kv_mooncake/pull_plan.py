@@ -30,7 +30,7 @@ so a run of heads inside one block is one contiguous byte range.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -285,12 +285,17 @@ def plan_group_pulls(
 
 
 def group_readers_per_prefill_rank(
-    prefill: PrefillLayout, decode: DecodeLayout, groups: Sequence[GroupBlocks], seed: int = 0
+    prefill: PrefillLayout, decode: DecodeLayout, groups: Sequence[GroupBlocks], seed: int = 0,
+    planned: Mapping[DecodeRank, Sequence[RankPull]] | None = None,
 ) -> dict[PrefillRank, int]:
-    """For every prefill rank: how many decode ranks pull from it, any group (each reads it once)."""
+    """For every prefill rank: how many decode ranks pull from it, any group (each reads it once).
+    ``planned``: decode ranks' ``plan_group_pulls`` already made (a decode rank knows its own)."""
     counts = {r: 0 for r in prefill.ranks()}
     for d in decode.ranks():
-        for source in {pull.source for pull in plan_group_pulls(prefill, decode, d, groups, seed)}:
+        pulls = planned.get(d) if planned is not None else None
+        if pulls is None:
+            pulls = plan_group_pulls(prefill, decode, d, groups, seed)
+        for source in {pull.source for pull in pulls}:
             counts[source] += 1
     return counts
 

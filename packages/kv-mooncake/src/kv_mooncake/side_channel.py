@@ -681,7 +681,6 @@ class SideChannelClient:
         except AuthError as exc:
             raise SideChannelError(f"reply from {address} failed authentication: {exc}") from None
 
-
     def _checkin(self, peer: tuple[str, int], link: _Link) -> None:
         dropped: list[_Link] = []
         with self._lock:
