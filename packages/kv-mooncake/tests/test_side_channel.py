@@ -186,6 +186,23 @@ def test_a_connection_stalled_inside_a_message_is_closed(server, monkeypatch, ca
     assert request(server.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
 
 
+def test_a_connection_that_never_greets_is_closed_and_a_kept_one_is_not(server, monkeypatch):
+    """Silent connections would hold the server's slots (``MAX_CONNECTIONS``); a client's kept
+    connection, idle between pulls, has greeted and stays."""
+    monkeypatch.setattr(side_channel, "STALLED_S", 0.2)  # read by the server thread's sweep
+    client = SideChannelClient((Pong,))
+    try:
+        assert client.request(server.address, Ping("kept"), timeout_s=5) == Pong("KEPT")
+        before = open_socket_count()
+        with RawConnection.to(server.address, greeting=b"") as silent:
+            assert silent.closed_by_peer(timeout_s=30)
+        assert server.connection_count() == 1  # the kept one, idle for the whole wait
+        assert client.request(server.address, Ping("again"), timeout_s=5) == Pong("AGAIN")
+        assert open_socket_count() == before  # over the kept connection, not a new one
+    finally:
+        client.close()
+
+
 def test_connections_beyond_the_limit_are_closed(monkeypatch, caplog):
     monkeypatch.setattr(side_channel, "MAX_CONNECTIONS", 2)
     with SideChannelServer("127.0.0.1", 0, handler, (Ping,)) as srv:

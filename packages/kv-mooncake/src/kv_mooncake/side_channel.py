@@ -9,7 +9,7 @@ Messages are msgspec Structs encoded with msgpack; a peer can only ever make us 
 types we list, never arbitrary objects (no pickle). Every message has a size limit and every wait
 a deadline, so a bad or silent peer costs at most one warning line per period (rate limited per
 peer), not a hung engine or a flooded log. The server bounds its connections, and drops one that
-stalls inside a message or idles for long.
+stalls inside a message, never says a word, or idles for long.
 
 Requests must be idempotent: a request whose connection broke before its reply (the peer restarted,
 a kept connection had gone stale) is sent again on a new connection, as long as its deadline allows.
@@ -344,11 +344,16 @@ class SideChannelServer:
             selector.modify(conn.sock, selectors.EVENT_READ, conn)
 
     def _sweep(self, selector: selectors.BaseSelector, now: float) -> None:
-        """Drop connections stalled inside a message or on an unread reply, and long-idle ones."""
+        """Drop connections stalled inside a message or on an unread reply, ones that never sent the
+        greeting (a client sends it with its first request: silent ones would hold the connection
+        slots), and long-idle ones."""
         for conn in list(self._connections.values()):
             quiet = now - conn.last_active
             if (conn.reader.buffered or conn.out) and quiet > STALLED_S:
                 self._warn(conn.peer, "closed a connection stalled %.0fs inside a message", quiet)
+                self._drop(selector, conn)
+            elif not conn.reader.greeted and quiet > STALLED_S:
+                self._warn(conn.peer, "closed a connection silent for %.0fs since it opened", quiet)
                 self._drop(selector, conn)
             elif quiet > SERVER_IDLE_S:
                 self._drop(selector, conn)

@@ -47,6 +47,11 @@ class FrameReader:
         self._buffer += data
 
     @property
+    def greeted(self) -> bool:
+        """Whether the whole greeting came (the peer speaks this protocol)."""
+        return self._greeted
+
+    @property
     def buffered(self) -> int:
         """Bytes received and not yet handed out (a part of a frame, when non-zero)."""
         return len(self._buffer)
