@@ -80,8 +80,8 @@ class StoreWorker:
         self.seal = ValueSeal(config.checksum, codec.mac_key_from_env(config.mac_key_env))
         self._report = BlockReport()
         store = StoreAccess(backend, self.keys, self.seal, self.stats, self._report)
-        # An idle vLLM step (no token scheduled, only saves or async loads in flight) waits here for
-        # one of them to end instead of spinning (kv_common.idle_step).
+        # Its saves and loads end an idle step's wait early (kv_common.idle_step): the connector's
+        # wait, shared by every group's worker, or one of its own.
         self.idle_wait = idle_wait if idle_wait is not None else IdleStepWait(config.idle_step_wait_ms)
         self.saver = StoreSaver(store, config, writes_blocks=writes_blocks, on_done=self.idle_wait.notify)
         self.loader = StoreLoader(store, config, ledger=self.ledger, on_done=self.idle_wait.notify)
