@@ -18,7 +18,7 @@ def test_only_a_step_without_tokens_is_idle():
 
 def _timed_report(wait: IdleStepWait, busy: bool = True) -> float:
     t0 = time.monotonic()
-    wait.before_report(busy)
+    wait.before_report(lambda: busy)
     return time.monotonic() - t0
 
 
@@ -56,3 +56,22 @@ def test_news_ends_the_wait_at_once_and_is_never_slept_through():
 def test_the_bound_is_checked(bad):
     with pytest.raises(ValueError, match="idle_step_wait_ms"):
         IdleStepWait(bad)
+
+
+def test_the_busy_check_is_asked_only_in_idle_steps():
+    """``before_report(busy)`` takes the check itself: the steps that run tokens (nearly all) never
+    pay for it, and an idle step with nothing in flight does not wait."""
+    asked = []
+
+    def in_flight() -> bool:
+        asked.append(1)
+        return False
+
+    wait = IdleStepWait(50.0)
+    wait.begin_step(False)
+    wait.before_report(in_flight)
+    assert not asked
+    wait.begin_step(True)
+    t0 = time.monotonic()
+    wait.before_report(in_flight)
+    assert asked == [1] and time.monotonic() - t0 < 0.02

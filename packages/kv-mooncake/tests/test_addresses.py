@@ -161,6 +161,22 @@ def test_the_probe_names_a_refusal_and_keeps_its_verdict_briefly():
     assert "does not resolve" in (probe.unreachable("no-such-host.invalid:1") or "")
 
 
+def test_the_probe_reads_an_address_as_the_side_channel_does():
+    """One reading of 'host:port' (``side_channel.split_address``): what the side channel would
+    connect to is what the probe tries, and what it refuses the probe names as not HOST:PORT."""
+    from kv_mooncake.peer_health import ReachabilityProbe
+
+    probe = ReachabilityProbe(timeout_s=0.5)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert probe.unreachable(f"tcp://127.0.0.1:{port}") is None
+        assert probe.unreachable(f"[127.0.0.1]:{port}") is None
+        assert "not HOST:PORT" in (probe.unreachable(f":{port}") or "")
+        assert "not HOST:PORT" in (probe.unreachable("127.0.0.1:x") or "")
+
+
 def test_a_slow_address_is_not_a_verdict():
     """A connect that times out (a loaded or far peer) leaves the pull to its own deadline."""
     from kv_mooncake.peer_health import ReachabilityProbe

@@ -17,6 +17,7 @@ connector reports is never delayed (``notify`` ends the wait at once).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 DEFAULT_IDLE_STEP_WAIT_MS = 5.0
 MAX_IDLE_STEP_WAIT_MS = 100.0
@@ -52,11 +53,12 @@ class IdleStepWait:
         """The connector has something to report (from any thread)."""
         self._news.set()
 
-    def before_report(self, busy: bool = True) -> None:
-        """Call before collecting what to report. In an idle step with work in flight (``busy``),
-        wait for news (at most ``max_s``). The news is consumed here, before the collection: news
-        that comes during the collection ends the next wait at once, so none is slept through."""
+    def before_report(self, busy: Callable[[], bool] | None = None) -> None:
+        """Call before collecting what to report. In an idle step with work in flight (``busy()``,
+        asked only in idle steps; None: assume so), wait for news (at most ``max_s``). The news is
+        consumed here, before the collection: news that comes during the collection ends the next
+        wait at once, so none is slept through."""
         idle, self._idle_step = self._idle_step, False  # a step whose metadata never came is not idle
-        if idle and busy and self.max_s > 0:
+        if idle and self.max_s > 0 and (busy is None or busy()):
             self._news.wait(self.max_s)
         self._news.clear()

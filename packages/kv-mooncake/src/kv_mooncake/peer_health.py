@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kv_mooncake.side_channel import split_address
+
 State = Literal["closed", "open", "probing"]
 
 
@@ -114,16 +116,17 @@ class ReachabilityProbe:
         return why
 
     def _connect(self, address: str) -> str | None:
-        host, _, port = address.rpartition(":")
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=self._timeout_s):
+            host, port = split_address(address)  # as the side channel reads it
+        except ValueError:
+            return f"{address!r} is not HOST:PORT"
+        try:
+            with socket.create_connection((host, port), timeout=self._timeout_s):
                 return None
         except socket.gaierror as exc:
             return f"host {host!r} does not resolve ({exc.strerror or exc})"
         except OSError as exc:
             return _UNREACHABLE.get(exc.errno or 0)  # None: timed out or another error, not a verdict
-        except ValueError:
-            return f"{address!r} is not HOST:PORT"
 
 
 class PeerQueues:

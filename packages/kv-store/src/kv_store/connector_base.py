@@ -390,7 +390,7 @@ class StoreConnectorBase(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        self._idle_wait.before_report(self._worker.in_flight())
+        self._idle_wait.before_report(self._worker.in_flight)
         done = self._worker.get_finished(finished_req_ids)
         loaded = self._worker.take_finished_loads(finished_req_ids)  # async loads, once each
         return (done or None), (loaded or None)
