@@ -68,3 +68,28 @@ def test_a_read_found_done_at_once_means_we_overslept():
     est.begin(100_000_000, 0.0)
     est.end(100_000_000, 0.0, 0.1, overslept=True)  # its time is unknown, but shorter
     assert est.bytes_per_s == pytest.approx(2e9)
+
+
+def test_reads_served_together_do_not_read_as_a_slow_link():
+    """Four pulls' reads to one peer, submitted together and served interleaved (the engine shares
+    the link between them): they all finish near the end, 0.4 s for 400 MB. The link moved 1 GB/s;
+    the first to finish, alone, would read as 0.25 GB/s and the next ones as near infinite."""
+    est = ThroughputEstimate(1e9)
+    for rnd in range(5):
+        t = 10.0 * rnd
+        for _ in range(4):
+            est.begin(100_000_000, t)
+        for k in range(4):
+            est.end(100_000_000, t, t + 0.397 + 0.001 * k)
+        assert est.bytes_per_s == pytest.approx(1e9, rel=0.02), rnd
+
+
+def test_a_peer_never_idle_is_still_learnt():
+    """Reads back to back, one always in flight: the estimate follows the link (0.5 GB/s here)
+    without waiting for the peer to go idle."""
+    est = ThroughputEstimate(1e9)
+    est.begin(50_000_000, 0.0)
+    for i in range(1, 200):
+        est.begin(50_000_000, 0.1 * i - 0.05)  # the next one goes before the last one is done
+        est.end(50_000_000, 0.1 * (i - 1), 0.1 * i)
+    assert est.bytes_per_s == pytest.approx(0.5e9, rel=0.05)

@@ -500,8 +500,8 @@ class MooncakeTransferEngine:
         asked = 0.0
         try:
             slept = sleep_until_expected(expected, submitted_at, deadline, idle) > 0
+            asked = time.monotonic()  # before any wait for our turn: found done after one is no oversleep
             with estimate.asking:  # the status call spins: one thread per peer at a time
-                asked = time.monotonic()
                 ok = self._engine.get_batch_transfer_status([bid]) == 0
             return ok
         finally:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 FIRST_GUESS_BYTES_PER_S = 8e9  # above any loopback TCP rate measured here: the first sleeps are short
 MIN_BYTES_PER_S = 20e6  # a stalled sample (a frozen peer) must not make later sleeps seconds long
@@ -37,18 +38,22 @@ MAX_SLEEP_S = 2.0  # one sleep at most: the status call is bounded by Mooncake's
 SMOOTHING = 0.3  # weight of a slower sample (a faster one is taken at once)
 OVERSLEPT_S = 100e-6  # a status call that answered this fast found the read done: we slept too long
 MIN_SAMPLE_BYTES = 64 << 10  # smaller reads are all fixed cost: they say nothing about throughput
+PERIOD_READS = 8  # a peer never idle is sampled every this many finished reads
 
 
 class ThroughputEstimate:
     """One peer's read throughput, and when the reads in flight to it are expected to be done.
 
     The reads to a peer share its link: a read submitted behind others is expected once the ones
-    before it are (``begin``); a finished read's sample is its bytes over the time the link spent
-    on it alone (from its submission, or from the previous completion if that came later), so
-    pipelined calls do not read as a slow link. The estimate leans fast: a faster sample is taken
-    at once, a slower one is smoothed, and a read found done the moment we asked (we overslept, its
-    time is unknown but shorter) doubles it, so one stall does not make many reads oversleep.
-    Thread-safe."""
+    before it are (``begin``). The throughput is learnt from the link's busy periods, not from one
+    read's time: from when a read went to an idle peer until no read is left in flight (or until
+    ``PERIOD_READS`` reads finished, for a peer that is never idle), the bytes of the reads that
+    finished over the time taken. Reads of several pulls are served interleaved, all of them
+    finishing near the end: one read's own time would read as a slow link, and the gaps between
+    their completions as a near-infinite one. The estimate leans fast: a faster sample is taken at
+    once, a slower one is smoothed, and a period with a read found done the moment we asked (we
+    overslept, its time is unknown but shorter) doubles it, so one stall does not make many reads
+    oversleep; a period with a failed read teaches nothing. Thread-safe."""
 
     def __init__(self, first_guess: float = FIRST_GUESS_BYTES_PER_S):
         self._bytes_per_s = _bounded(first_guess)
@@ -58,7 +63,7 @@ class ThroughputEstimate:
         self.asking = threading.Lock()
         self._in_flight = 0
         self._busy_until = 0.0  # when the reads in flight are expected to be done (time.monotonic)
-        self._last_done = 0.0
+        self._period = _BusyPeriod()
 
     @property
     def bytes_per_s(self) -> float:
@@ -68,7 +73,11 @@ class ThroughputEstimate:
     def begin(self, nbytes: int, submitted_at: float) -> float:
         """A read of ``nbytes`` was submitted at ``submitted_at``: when it is expected to be done."""
         with self._lock:
-            start = max(submitted_at, self._busy_until) if self._in_flight else submitted_at
+            if self._in_flight:
+                start = max(submitted_at, self._busy_until)
+            else:
+                start = submitted_at
+                self._period = _BusyPeriod(submitted_at)
             self._in_flight += 1
             self._busy_until = start + nbytes / self._bytes_per_s
             return self._busy_until
@@ -79,19 +88,47 @@ class ThroughputEstimate:
         done before we asked); a failed one teaches nothing."""
         with self._lock:
             self._in_flight = max(0, self._in_flight - 1)
-            alone = done_at - max(submitted_at, self._last_done)
-            self._last_done = max(self._last_done, done_at)
             if not self._in_flight:
                 self._busy_until = 0.0
-            if not ok or nbytes < MIN_SAMPLE_BYTES or alone <= 0:
+            period = self._period
+            period.finished(nbytes, ok, overslept)
+            if self._in_flight and period.reads < PERIOD_READS:
                 return
-            sample = _bounded(nbytes / alone)
-            if overslept:
+            self._period = _BusyPeriod(done_at)  # reads still in flight count in the next one
+            sample = period.throughput(done_at)
+            if sample is None:
+                return
+            if period.overslept:
                 sample = max(sample, 2 * self._bytes_per_s)
             if sample >= self._bytes_per_s:
                 self._bytes_per_s = _bounded(sample)
             else:
                 self._bytes_per_s = _bounded((1 - SMOOTHING) * self._bytes_per_s + SMOOTHING * sample)
+
+
+@dataclass
+class _BusyPeriod:
+    """The reads to one peer finished since it was last idle (or last sampled)."""
+
+    start: float = 0.0
+    bytes: int = 0
+    reads: int = 0
+    failed: bool = False
+    overslept: bool = False
+
+    def finished(self, nbytes: int, ok: bool, overslept: bool) -> None:
+        self.reads += 1
+        self.bytes += nbytes if ok else 0
+        self.failed |= not ok
+        self.overslept |= ok and overslept
+
+    def throughput(self, now: float) -> float | None:
+        """Bytes per second over the period, or None when it says nothing (a failed read, too few
+        bytes: all fixed cost)."""
+        elapsed = now - self.start
+        if self.failed or self.bytes < MIN_SAMPLE_BYTES or elapsed <= 0:
+            return None
+        return _bounded(self.bytes / elapsed)
 
 
 def _bounded(bytes_per_s: float) -> float:
