@@ -361,10 +361,13 @@ def test_read_batches_a_batch_that_cannot_be_built_ends_the_read_after_the_ones_
     te.close()
 
 
-def test_threads_reading_one_peer_ask_its_status_one_at_a_time(target):
+def test_threads_reading_one_peer_ask_its_status_one_at_a_time(target, monkeypatch):
     """Mooncake's status call spins on its core until the batch is done: pull threads reading the
     same peer at once must not all spin (measured on 2 cores, 16 pulls in flight from 4 threads:
     277-443 pulls/s spinning together, 588-611 asking one at a time). Every byte still lands."""
+    import kv_mooncake.transfer_engine as engine_module
+
+    monkeypatch.setattr(engine_module, "ASK_TURN_WAIT_S", 60.0)  # turns only (their bound: the next test)
     _, _, address, base, digests = target
     n_threads, per = 6, 200
     local = np.zeros(n_threads * per * BLOCK, dtype=np.uint8)
@@ -413,4 +416,53 @@ def test_threads_reading_one_peer_ask_its_status_one_at_a_time(target):
     assert all(results[t] == per * BLOCK for t in range(n_threads)), results
     assert asking[1] == 1, f"{asking[1]} status calls to one peer at once"
     for j in range(n_threads * per):
+        assert hashlib.sha256(local[j * BLOCK:(j + 1) * BLOCK]).hexdigest() == digests[j]
+
+
+def test_a_status_call_stuck_on_a_stalled_read_holds_the_others_up_only_briefly(target):
+    """One thread's status call hangs (its read stalled: a frozen peer answers only at Mooncake's
+    transfer timeout); another thread's read to the same peer is done: it waits for its turn to ask
+    only ``ASK_TURN_WAIT_S``, then asks anyway (spinning beside the stuck one, as without turns)."""
+    from kv_mooncake.transfer_wait import ASK_TURN_WAIT_S
+
+    _, _, address, base, digests = target
+    local = np.zeros(2 * 16 * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    te.register([(local.ctypes.data, local.nbytes)])
+    stuck = threading.Event()
+
+    class OneStuckStatus:
+        def __init__(self, engine):
+            self._engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+        def get_batch_transfer_status(self, bids):
+            if not stuck.is_set():
+                stuck.set()
+                time.sleep(2.0)  # the stalled read's status call
+            return self._engine.get_batch_transfer_status(bids)
+
+    te._engine = OneStuckStatus(te._engine)
+    took: dict[int, float] = {}
+
+    def read(t: int) -> None:
+        if t:
+            stuck.wait(10)
+        t0 = time.monotonic()
+        took[t] = -1.0
+        te.read_batches(address, _batches(local.ctypes.data + t * 16 * BLOCK, base + t * 16 * BLOCK,
+                                          list(range(16)), 16), time.monotonic() + 30)
+        took[t] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=read, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    te.close()
+    assert took[0] >= 2.0
+    assert 0 < took[1] < ASK_TURN_WAIT_S + 1.0, took
+    for j in range(32):
         assert hashlib.sha256(local[j * BLOCK:(j + 1) * BLOCK]).hexdigest() == digests[j]

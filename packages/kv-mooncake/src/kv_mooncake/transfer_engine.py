@@ -12,7 +12,7 @@ from typing import Any
 
 from kv_common.logging_utils import get_logger
 
-from kv_mooncake.transfer_wait import OVERSLEPT_S, ThroughputEstimate, sleep_until_expected
+from kv_mooncake.transfer_wait import ASK_TURN_WAIT_S, OVERSLEPT_S, ThroughputEstimate, sleep_until_expected
 
 logger = get_logger(__name__)
 
@@ -501,8 +501,14 @@ class MooncakeTransferEngine:
         try:
             slept = sleep_until_expected(expected, submitted_at, deadline, idle) > 0
             asked = time.monotonic()  # before any wait for our turn: found done after one is no oversleep
-            with estimate.asking:  # the status call spins: one thread per peer at a time
+            # The status call spins: one thread per peer at a time, but never long behind one that
+            # is stuck on a stalled read (it answers only at Mooncake's transfer timeout).
+            turn = estimate.asking.acquire(timeout=ASK_TURN_WAIT_S)
+            try:
                 ok = self._engine.get_batch_transfer_status([bid]) == 0
+            finally:
+                if turn:
+                    estimate.asking.release()
             return ok
         finally:
             done = time.monotonic()

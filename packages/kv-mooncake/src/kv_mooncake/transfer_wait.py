@@ -14,7 +14,8 @@ Threads reading the same peer at once ask one at a time (``ThroughputEstimate.as
 status call spins on a core of its own, so four pull threads asking together took the cores the
 transfer itself needs (measured on 2 cores, 16 pulls of 2 MiB in flight from 4 threads: 277-443
 pulls/s asking together, 588-611 one at a time). The one asking spins only until its batch is done;
-the others sleep on the lock meanwhile, and another peer's reads never wait for this one's.
+the others sleep on the lock meanwhile (at most ``ASK_TURN_WAIT_S``: a status call stuck on a
+stalled read answers only at Mooncake's transfer timeout), and another peer's reads never wait.
 
 The expected time comes from a per-peer throughput estimate, learnt from finished reads. The first
 guess is high (a short first sleep: sleeping too little costs some spinning, sleeping too long
@@ -39,6 +40,7 @@ SMOOTHING = 0.3  # weight of a slower sample (a faster one is taken at once)
 OVERSLEPT_S = 100e-6  # a status call that answered this fast found the read done: we slept too long
 MIN_SAMPLE_BYTES = 64 << 10  # smaller reads are all fixed cost: they say nothing about throughput
 PERIOD_READS = 8  # a peer never idle is sampled every this many finished reads
+ASK_TURN_WAIT_S = 0.1  # at most this long behind another status call to the peer (one stuck on a stalled read)
 
 
 class ThroughputEstimate:
@@ -58,8 +60,8 @@ class ThroughputEstimate:
     def __init__(self, first_guess: float = FIRST_GUESS_BYTES_PER_S):
         self._bytes_per_s = _bounded(first_guess)
         self._lock = threading.Lock()
-        # Held through a status call for a read to this peer: one spinning thread per peer. Each
-        # call is bounded by Mooncake's transfer timeout, so a wait for it is too.
+        # Held through a status call for a read to this peer: one spinning thread per peer. Waited
+        # for at most ASK_TURN_WAIT_S: a call stuck on a stalled read must not hold the others up.
         self.asking = threading.Lock()
         self._in_flight = 0
         self._busy_until = 0.0  # when the reads in flight are expected to be done (time.monotonic)
