@@ -277,13 +277,22 @@ def test_prefill_sigkilled_mid_pull_recomputes_without_hang(engines):
         box["t_end"] = time.monotonic()
 
     thread = threading.Thread(target=decode)
+    # The pulls' lease window is about a second (X_CHUNK_DELAY_S twice): the first leak query of a
+    # process took 0.8 s here (imports, a first connection), so it is made before the pulls start.
+    mooncake_leaks(P1_PORT)
     thread.start()
     # Wait until X holds a lease on P1 (PullStarted acknowledged, the bytes not all read yet) ...
     deadline = time.monotonic() + 60
-    while mooncake_leaks(P1_PORT)["active_reads"] == 0:
+    seen: list[tuple[float, int]] = []  # (seconds the query took, active reads): said on failure
+    while True:
+        asked = time.monotonic()
+        active = mooncake_leaks(P1_PORT)["active_reads"]
+        if active:
+            break
+        seen.append((round(time.monotonic() - asked, 3), active))
         assert time.monotonic() < deadline, "X never started pulling from P1"
-        assert thread.is_alive(), box
-        time.sleep(0.05)
+        assert thread.is_alive(), (f"the pulls ended before a leak query saw one (queries: {seen})", box)
+        time.sleep(0.01)
     # ... then SIGKILL the whole prefill process tree (front-end, EngineCore, worker).
     pids = p1.pids()
     for pid in pids:
