@@ -93,3 +93,15 @@ def test_a_peer_never_idle_is_still_learnt():
         est.begin(50_000_000, 0.1 * i - 0.05)  # the next one goes before the last one is done
         est.end(50_000_000, 0.1 * (i - 1), 0.1 * i)
     assert est.bytes_per_s == pytest.approx(0.5e9, rel=0.05)
+
+
+def test_many_small_reads_in_a_period_teach_nothing():
+    """Reads under MIN_SAMPLE_BYTES are all fixed cost, alone or several in a busy period: eight
+    reads of 16 KiB served together in 8 ms would read as a 16 MB/s link and make every later read
+    sleep far too long."""
+    est = ThroughputEstimate(1e9)
+    for _ in range(8):
+        est.begin(16 << 10, 0.0)
+    for k in range(8):
+        est.end(16 << 10, 0.0, 0.001 * (k + 1))
+    assert est.bytes_per_s == 1e9

@@ -125,10 +125,10 @@ class _BusyPeriod:
         self.overslept |= ok and overslept
 
     def throughput(self, now: float) -> float | None:
-        """Bytes per second over the period, or None when it says nothing (a failed read, too few
-        bytes: all fixed cost)."""
+        """Bytes per second over the period, or None when it says nothing (a failed read, reads
+        too small on average: all fixed cost, however many)."""
         elapsed = now - self.start
-        if self.failed or self.bytes < MIN_SAMPLE_BYTES or elapsed <= 0:
+        if self.failed or self.bytes < MIN_SAMPLE_BYTES * self.reads or elapsed <= 0:
             return None
         return _bounded(self.bytes / elapsed)
 
