@@ -22,7 +22,7 @@ def test_first_guess_then_learns_from_finished_reads():
     for i in range(30):  # 64 MiB in 0.1 s, again and again: the estimate converges to 0.67 GB/s
         t = 10.0 * i
         est.begin(64 * MIB, t)
-        est.end(64 * MIB, t, t + 0.1)
+        est.end(64 * MIB, t + 0.1)
     assert est.bytes_per_s == pytest.approx(64 * MIB / 0.1, rel=0.01)
     assert est.begin(64 * MIB, 1000.0) == pytest.approx(1000.1, rel=1e-4)
 
@@ -32,8 +32,8 @@ def test_reads_in_flight_queue_behind_each_other_and_do_not_read_as_a_slow_link(
     first = est.begin(100_000_000, 0.0)
     second = est.begin(100_000_000, 0.0)  # submitted together: expected after the first
     assert first == pytest.approx(0.1) and second == pytest.approx(0.2)
-    est.end(100_000_000, 0.0, 0.1)
-    est.end(100_000_000, 0.0, 0.2)  # its link time is 0.1 s (after the first), not 0.2 s
+    est.end(100_000_000, 0.1)
+    est.end(100_000_000, 0.2)  # the link's busy period: 200 MB in 0.2 s, not 100 MB in 0.2 s
     assert est.bytes_per_s == pytest.approx(1e9)
     assert est.begin(100_000_000, 5.0) == pytest.approx(5.1)  # nothing in flight: no queue
 
@@ -41,17 +41,17 @@ def test_reads_in_flight_queue_behind_each_other_and_do_not_read_as_a_slow_link(
 def test_estimate_is_bounded_and_failures_or_tiny_reads_teach_nothing():
     est = ThroughputEstimate(1e9)
     est.begin(64 * MIB, 0.0)
-    est.end(64 * MIB, 0.0, 30.0, ok=False)  # a failed (stalled) read
+    est.end(64 * MIB, 30.0, ok=False)  # a failed (stalled) read
     est.begin(4096, 40.0)
-    est.end(4096, 40.0, 40.5)  # all fixed cost
+    est.end(4096, 40.5)  # all fixed cost
     assert est.bytes_per_s == 1e9
     for i in range(50):
         est.begin(64 * MIB, 100.0 * i)
-        est.end(64 * MIB, 100.0 * i, 100.0 * i + 60.0)  # a frozen peer: 1 MB/s
+        est.end(64 * MIB, 100.0 * i + 60.0)  # a frozen peer: 1 MB/s
     assert est.bytes_per_s == pytest.approx(MIN_BYTES_PER_S, rel=1e-3)
     for i in range(50):
         est.begin(64 * MIB, 10_000.0 + i)
-        est.end(64 * MIB, 10_000.0 + i, 10_000.0 + i + 1e-9)
+        est.end(64 * MIB, 10_000.0 + i + 1e-9)
     assert est.bytes_per_s == pytest.approx(MAX_BYTES_PER_S, rel=1e-3)
 
 
@@ -66,7 +66,7 @@ def test_sleep_keeps_the_deadline():
 def test_a_read_found_done_at_once_means_we_overslept():
     est = ThroughputEstimate(1e9)
     est.begin(100_000_000, 0.0)
-    est.end(100_000_000, 0.0, 0.1, overslept=True)  # its time is unknown, but shorter
+    est.end(100_000_000, 0.1, overslept=True)  # its time is unknown, but shorter
     assert est.bytes_per_s == pytest.approx(2e9)
 
 
@@ -80,7 +80,7 @@ def test_reads_served_together_do_not_read_as_a_slow_link():
         for _ in range(4):
             est.begin(100_000_000, t)
         for k in range(4):
-            est.end(100_000_000, t, t + 0.397 + 0.001 * k)
+            est.end(100_000_000, t + 0.397 + 0.001 * k)
         assert est.bytes_per_s == pytest.approx(1e9, rel=0.02), rnd
 
 
@@ -91,7 +91,7 @@ def test_a_peer_never_idle_is_still_learnt():
     est.begin(50_000_000, 0.0)
     for i in range(1, 200):
         est.begin(50_000_000, 0.1 * i - 0.05)  # the next one goes before the last one is done
-        est.end(50_000_000, 0.1 * (i - 1), 0.1 * i)
+        est.end(50_000_000, 0.1 * i)
     assert est.bytes_per_s == pytest.approx(0.5e9, rel=0.05)
 
 
@@ -103,5 +103,5 @@ def test_many_small_reads_in_a_period_teach_nothing():
     for _ in range(8):
         est.begin(16 << 10, 0.0)
     for k in range(8):
-        est.end(16 << 10, 0.0, 0.001 * (k + 1))
+        est.end(16 << 10, 0.001 * (k + 1))
     assert est.bytes_per_s == 1e9

@@ -512,7 +512,7 @@ class MooncakeTransferEngine:
             return ok
         finally:
             done = time.monotonic()
-            estimate.end(nbytes, submitted_at, done, ok, overslept=slept and done - asked < OVERSLEPT_S)
+            estimate.end(nbytes, done, ok, overslept=slept and done - asked < OVERSLEPT_S)
 
     def _submit_async(self, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> int | None:
         bid = int(self._engine.batch_transfer_async_read(peer, local, remote, lengths))

@@ -84,10 +84,9 @@ class ThroughputEstimate:
             self._busy_until = start + nbytes / self._bytes_per_s
             return self._busy_until
 
-    def end(self, nbytes: int, submitted_at: float, done_at: float, ok: bool = True,
-            overslept: bool = False) -> None:
-        """The read begun at ``submitted_at`` was waited for at ``done_at`` (``overslept``: it was
-        done before we asked); a failed one teaches nothing."""
+    def end(self, nbytes: int, done_at: float, ok: bool = True, overslept: bool = False) -> None:
+        """A read of ``nbytes`` was waited for at ``done_at`` (``overslept``: it was done before we
+        asked); a failed one teaches nothing. Its period, not its submission, times it."""
         with self._lock:
             self._in_flight = max(0, self._in_flight - 1)
             if not self._in_flight:
