@@ -241,7 +241,7 @@ def test_read_batches_callback_error_waits_for_calls_in_flight(target):
     with pytest.raises(RuntimeError, match="digest mismatch"):
         te.read_batches(address, _batches(local.ctypes.data, base, list(range(NUM_BLOCKS)), 64), None, on_batch)
     assert counting.max_calls > 2 and not counting.outstanding  # in flight when it raised, all waited for
-    assert te._budget(address).in_flight == 0
+    assert te._peer(address).budget.in_flight == 0
     te.close()
 
 
@@ -259,7 +259,7 @@ def test_read_batches_from_a_dead_peer_does_not_hang(target):
     # Mooncake notices the dead peer in ~2 s; a hang would wait out the 60 s deadline. The bound is
     # far from both: a loaded CI machine took 7.1 s here against a bound of 5.
     assert time.monotonic() - t0 < 30 and info.value.batches_done == 0
-    assert te._budget(address).in_flight == 0
+    assert te._peer(address).budget.in_flight == 0
     te.close()
 
 

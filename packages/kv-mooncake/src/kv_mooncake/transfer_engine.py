@@ -7,7 +7,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kv_common.logging_utils import get_logger
@@ -124,10 +124,7 @@ class _PeerReads:
     until its own read is done, then hands over to a waiting caller.
     """
 
-    def __init__(self, read: Callable[[list[int], list[int], list[int]], int], limit: int,
-                 budget: _PeerBudget | None = None):
-        budget = budget or _PeerBudget(limit)
-
+    def __init__(self, read: Callable[[list[int], list[int], list[int]], int], limit: int, budget: _PeerBudget):
         def read_within_budget(local: list[int], remote: list[int], lengths: list[int]) -> int:
             budget.acquire(len(lengths), None)  # async batches in flight end within Mooncake's timeout
             try:
@@ -216,6 +213,19 @@ class _AsyncBatch:
     expected: float = 0.0  # when it is expected to be done (0: nothing submitted to wait for)
 
 
+@dataclass(eq=False)
+class _Peer:
+    """What the engine keeps per peer, made on its first read: the transfers in flight to it
+    (``budget``), its batched synchronous reads, how long its reads take (``estimate``), and the
+    turn to ask a status (``asking``, held through each status call: one thread per peer spins in
+    it, see ``transfer_wait``)."""
+
+    budget: _PeerBudget
+    reads: _PeerReads
+    estimate: ThroughputEstimate = field(default_factory=ThroughputEstimate)
+    asking: threading.Lock = field(default_factory=threading.Lock)
+
+
 class TransferError(RuntimeError):
     def __init__(self, op: str, code: int, detail: str = "", batches_done: int = 0):
         self.op, self.code = op, code
@@ -247,10 +257,8 @@ class MooncakeTransferEngine:
             raise TransferError("initialize", rc, f"host={host} protocol={protocol} device={device_name!r}")
         self._registered: list[int] = []
         # Per peer: concurrent reads batched together, at most ``max_inflight`` transfers queued.
-        self._peer_reads: dict[str, _PeerReads] = {}
-        self._budgets: dict[str, _PeerBudget] = {}
-        self._estimates: dict[str, ThroughputEstimate] = {}  # per peer: how long its reads take
-        self._locks_guard = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._peers_guard = threading.Lock()
         self._closed = False
 
     @property
@@ -270,29 +278,15 @@ class MooncakeTransferEngine:
     def register_tensors(self, tensors: Sequence[Any]) -> None:  # torch tensors
         self.register([(t.data_ptr(), t.numel() * t.element_size()) for t in tensors])
 
-    def _budget(self, peer: str) -> _PeerBudget:
-        with self._locks_guard:
-            budget = self._budgets.get(peer)
-            if budget is None:
-                budget = self._budgets[peer] = _PeerBudget(self.max_inflight)
-            return budget
-
-    def _estimate(self, peer: str) -> ThroughputEstimate:
-        with self._locks_guard:
-            estimate = self._estimates.get(peer)
-            if estimate is None:
-                estimate = self._estimates[peer] = ThroughputEstimate()
-            return estimate
-
-    def _reads(self, peer: str) -> _PeerReads:
-        budget = self._budget(peer)
-        with self._locks_guard:
-            reads = self._peer_reads.get(peer)
-            if reads is None:
-                reads = self._peer_reads[peer] = _PeerReads(
-                    lambda local, remote, lengths: self._transfer(peer, local, remote, lengths), self.max_inflight,
-                    budget)
-            return reads
+    def _peer(self, peer: str) -> _Peer:
+        with self._peers_guard:
+            known = self._peers.get(peer)
+            if known is None:
+                budget = _PeerBudget(self.max_inflight)
+                reads = _PeerReads(lambda local, remote, lengths: self._transfer(peer, local, remote, lengths),
+                                   self.max_inflight, budget)
+                known = self._peers[peer] = _Peer(budget, reads)
+            return known
 
     def read_blocks(
         self,
@@ -315,7 +309,7 @@ class MooncakeTransferEngine:
         if not (len(local_addrs) == len(remote_addrs) == n):
             raise ValueError("read_blocks: address and length lists differ in size")
         total = 0
-        reads = self._reads(peer)
+        reads = self._peer(peer).reads
         for start in range(0, n, self.max_inflight):
             if deadline is not None and time.monotonic() > deadline:
                 raise TransferError("batch_transfer_sync_read", -1, f"deadline passed after {start}/{n} reads from {peer}")
@@ -380,8 +374,8 @@ class MooncakeTransferEngine:
         ``idle(seconds)`` passes the time while a read is expected to be in flight (by default it
         sleeps; the puller also watches for its lease's answer meanwhile).
         """
-        budget = self._budget(peer)
-        estimate = self._estimate(peer)
+        known = self._peer(peer)
+        budget = known.budget
         inflight: deque[_AsyncBatch] = deque()
         redo: deque[_AsyncBatch] = deque()  # waited for after a failure, read again in order
         parts = self._parts(batches)
@@ -410,7 +404,7 @@ class MooncakeTransferEngine:
                     if budget.try_acquire(len(item.lengths)) or (
                             not inflight and budget.acquire(len(item.lengths), deadline)):
                         try:
-                            self._submit(peer, item, estimate)
+                            self._submit(peer, item, known.estimate)
                         except BaseException:
                             budget.release(len(item.lengths))
                             raise
@@ -421,7 +415,7 @@ class MooncakeTransferEngine:
                                             f"deadline passed waiting for reads in flight to {peer}")
                     redo.appendleft(item)
                 item = inflight.popleft()
-                nbytes = self._complete(peer, budget, item, inflight, redo, deadline, on_retry, estimate, idle)
+                nbytes = self._complete(peer, known, item, inflight, redo, deadline, on_retry, idle)
                 total += nbytes
                 if item.last:
                     done += 1
@@ -432,7 +426,7 @@ class MooncakeTransferEngine:
             raise
         finally:
             while inflight:  # never leave while bytes may still land
-                self._wait(budget, inflight.popleft(), estimate)
+                self._wait(known, inflight.popleft())
 
     def _parts(self, batches: Iterable[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> Iterator[_AsyncBatch]:
         """Each batch as engine calls of at most ``max_inflight`` transfers (the last one marked)."""
@@ -452,19 +446,19 @@ class MooncakeTransferEngine:
         if item.bid:
             item.expected = estimate.begin(sum(item.lengths), item.started)
 
-    def _complete(self, peer: str, budget: _PeerBudget, item: _AsyncBatch, inflight: deque[_AsyncBatch],
+    def _complete(self, peer: str, known: _Peer, item: _AsyncBatch, inflight: deque[_AsyncBatch],
                   redo: deque[_AsyncBatch], deadline: float | None, on_retry: Callable[[str], None] | None,
-                  estimate: ThroughputEstimate, idle: Callable[[float], None] = time.sleep) -> int:
+                  idle: Callable[[float], None] = time.sleep) -> int:
         """Wait for ``item``; a failed one is read again synchronously (after every later call in
         flight was waited for and queued to be read again). Returns its bytes."""
-        if self._wait(budget, item, estimate, deadline, idle):
+        if self._wait(known, item, deadline, idle):
             return sum(item.lengths)
         took = time.monotonic() - item.started
         what = f"{len(item.lengths)} reads from {peer} (batch {item.index}), attempt 1 failed after {took:.1f}s"
         drained = []
         while inflight:
             drained.append(inflight.popleft())
-            self._wait(budget, drained[-1], estimate)
+            self._wait(known, drained[-1])
         redo.extendleft(reversed(drained))  # before a batch put back unsubmitted: they came first
         if deadline is None or time.monotonic() >= deadline:
             raise TransferError("batch_transfer_async_read", -1, what)
@@ -472,27 +466,27 @@ class MooncakeTransferEngine:
         if on_retry is not None:
             on_retry(what)
         # The failed asynchronous attempt counts: a refusing peer ends the read after a few in all.
-        self._read_chunk(peer, self._reads(peer), item.local, item.remote, item.lengths, deadline, on_retry,
+        self._read_chunk(peer, known.reads, item.local, item.remote, item.lengths, deadline, on_retry,
                          fast_failures=1 if took < self._fast_failure_s else 0, attempts=1)
         return sum(item.lengths)
 
-    def _wait(self, budget: _PeerBudget, item: _AsyncBatch, estimate: ThroughputEstimate,
-              deadline: float | None = None, idle: Callable[[float], None] = time.sleep) -> bool:
+    def _wait(self, known: _Peer, item: _AsyncBatch, deadline: float | None = None,
+              idle: Callable[[float], None] = time.sleep) -> bool:
         """Wait for ``item``'s engine call (bounded by Mooncake's per-transfer timeout); True if read.
         Sleeps through most of its expected time first: the status call spins."""
         bid, item.bid = item.bid, None
         if bid is None:  # refused at submission: nothing in flight
-            budget.release(len(item.lengths))
+            known.budget.release(len(item.lengths))
             return False
         try:
             if bid == 0:
                 return True
-            return self._status_after_sleep(estimate, bid, sum(item.lengths), item.started, item.expected, deadline,
+            return self._status_after_sleep(known, bid, sum(item.lengths), item.started, item.expected, deadline,
                                             idle)
         finally:
-            budget.release(len(item.lengths))
+            known.budget.release(len(item.lengths))
 
-    def _status_after_sleep(self, estimate: ThroughputEstimate, bid: int, nbytes: int, submitted_at: float,
+    def _status_after_sleep(self, known: _Peer, bid: int, nbytes: int, submitted_at: float,
                             expected: float, deadline: float | None,
                             idle: Callable[[float], None] = time.sleep) -> bool:
         """The one status call of batch ``bid``, after sleeping through most of its expected time."""
@@ -503,16 +497,16 @@ class MooncakeTransferEngine:
             asked = time.monotonic()  # before any wait for our turn: found done after one is no oversleep
             # The status call spins: one thread per peer at a time, but never long behind one that
             # is stuck on a stalled read (it answers only at Mooncake's transfer timeout).
-            turn = estimate.asking.acquire(timeout=ASK_TURN_WAIT_S)
+            turn = known.asking.acquire(timeout=ASK_TURN_WAIT_S)
             try:
                 ok = self._engine.get_batch_transfer_status([bid]) == 0
             finally:
                 if turn:
-                    estimate.asking.release()
+                    known.asking.release()
             return ok
         finally:
             done = time.monotonic()
-            estimate.end(nbytes, done, ok, overslept=slept and done - asked < OVERSLEPT_S)
+            known.estimate.end(nbytes, done, ok, overslept=slept and done - asked < OVERSLEPT_S)
 
     def _submit_async(self, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> int | None:
         bid = int(self._engine.batch_transfer_async_read(peer, local, remote, lengths))
@@ -526,10 +520,10 @@ class MooncakeTransferEngine:
         bid = self._submit_async(peer, local, remote, lengths)
         if bid is None:
             return -1
-        estimate = self._estimate(peer)
+        known = self._peer(peer)
         nbytes = sum(lengths)
-        expected = estimate.begin(nbytes, submitted_at)
-        return 0 if self._status_after_sleep(estimate, bid, nbytes, submitted_at, expected, None) else -1
+        expected = known.estimate.begin(nbytes, submitted_at)
+        return 0 if self._status_after_sleep(known, bid, nbytes, submitted_at, expected, None) else -1
 
     def close(self) -> None:
         if self._closed:

@@ -10,7 +10,7 @@ rest). Mooncake offers no status query that does not spin for a whole batch (``t
 looks at the batch's first transfer only, and after it saw a failed transfer the batch's
 ``get_batch_transfer_status`` never returned here), so there is one sleep, then the one status call.
 
-Threads reading the same peer at once ask one at a time (``ThroughputEstimate.asking``): each
+Threads reading the same peer at once ask one at a time (``transfer_engine._Peer.asking``): each
 status call spins on a core of its own, so four pull threads asking together took the cores the
 transfer itself needs (measured on 2 cores, 16 pulls of 2 MiB in flight from 4 threads: 277-443
 pulls/s asking together, 588-611 one at a time). The one asking spins only until its batch is done;
@@ -60,9 +60,6 @@ class ThroughputEstimate:
     def __init__(self, first_guess: float = FIRST_GUESS_BYTES_PER_S):
         self._bytes_per_s = _bounded(first_guess)
         self._lock = threading.Lock()
-        # Held through a status call for a read to this peer: one spinning thread per peer. Waited
-        # for at most ASK_TURN_WAIT_S: a call stuck on a stalled read must not hold the others up.
-        self.asking = threading.Lock()
         self._in_flight = 0
         self._busy_until = 0.0  # when the reads in flight are expected to be done (time.monotonic)
         self._period = _BusyPeriod()
