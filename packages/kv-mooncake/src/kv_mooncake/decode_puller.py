@@ -490,7 +490,7 @@ class DecodePuller:
         lease.reading()
         return int(self.te.read_batches(hs.te_address, (self._addresses(req, b, hs, layers) for b in batches),
                                         deadline, landed, on_retry=lambda _why: self.stats.incr("transfer_retries"),
-                                        idle=lease.idle))
+                                        idle=lease.idle, before_status=lease.settle))
 
     def _paired_runs(self, lp: KVPart, rp: KVPart, span: Any) -> list[tuple[int, int, int]]:
         key = (lp.shape, lp.strides, lp.roles, lp.element_size, rp.shape, rp.strides, rp.roles, rp.element_size,

@@ -27,7 +27,9 @@ from kv_mooncake import protocol as P
 from kv_mooncake import side_channel
 from kv_mooncake.pull_errors import PullFailed
 
-IDLE_SLICE_S = 200e-6  # while the read is in flight: how often to look for the lease's answer
+# Before a status call, how long in all to wait for the lease's answer (it comes in a round trip):
+# taken only after a status call, it would date the hold from when that call returned (see settle).
+SETTLE_S = 0.05
 
 
 class ReadBeforeLease(Exception):
@@ -59,6 +61,7 @@ class EarlyLease:
         self.answered_at = 0.0
         self.read_started = 0.0
         self._pending: side_channel.PendingReply | None = None
+        self._settle_until = 0.0
         try:
             self._pending = client.start(address, started)
         except side_channel.SideChannelError:
@@ -72,18 +75,37 @@ class EarlyLease:
         """Pass ``seconds`` while the read is in flight, taking the answer as soon as it is there: when
         it came bounds how young a hold may be for the read to count (``lease_covers_read``)."""
         end = time.monotonic() + seconds
-        while True:
-            if self._pending is not None and self._pending.ready():
-                pending, self._pending = self._pending, None
-                try:
-                    self._early = pending.wait(0.0)
-                except side_channel.SideChannelError:
-                    self._early = None  # asked again, with retries, by answer()
-                self.answered_at = time.monotonic()
-            left = end - time.monotonic()
-            if left <= 0:
+        while (left := end - time.monotonic()) > 0:
+            if self._pending is None:
+                time.sleep(left)
                 return
-            time.sleep(left if self._pending is None else min(left, IDLE_SLICE_S))
+            self._take_if_ready(left)
+
+    def settle(self) -> None:
+        """Before a status call: wait for the answer while it is due (at most ``SETTLE_S`` in all).
+        A thread blocked in Mooncake's status call notices nothing; 16 pulls in flight from two
+        prefills waited 6-20 ms there, so Acks taken after it dated reads begun well inside their
+        holds as begun before them, and 12-27 % of the pulls were read twice. Waiting here costs
+        nothing when the prefill answers: the first batch counts only once the answer is in."""
+        if self._pending is None:
+            return
+        now = time.monotonic()
+        if not self._settle_until:
+            self._settle_until = min(now + SETTLE_S, self.deadline)
+        if self._settle_until > now:
+            self._take_if_ready(self._settle_until - now)
+
+    def _take_if_ready(self, timeout_s: float) -> None:
+        """Take the answer if it comes within ``timeout_s`` (woken by its arrival, not by a timer)."""
+        assert self._pending is not None
+        if not self._pending.ready(timeout_s):
+            return
+        pending, self._pending = self._pending, None
+        try:
+            self._early = pending.wait(0.0)
+        except side_channel.SideChannelError:
+            self._early = None  # asked again, with retries, by answer()
+        self.answered_at = time.monotonic()
 
     def answer(self) -> P.Ack:
         """The lease's Ack (raises PullFailed when refused)."""

@@ -54,6 +54,7 @@ _POLL_S = 0.05  # how often the server thread looks at its stop flag
 WARNING_PERIOD_S = 60.0  # one bad-message line per peer per period
 _SHOWN_ERROR_CHARS = 300  # of an unauthenticated peer's error text, in our exceptions
 _RECV_BYTES = 1 << 16
+_SHORT_NAP_S = 100e-6  # the last millisecond of a wait for a reply is watched this often
 MAX_CONNECTIONS = 1024  # per server: each is a file descriptor
 STALLED_S = 10.0  # a connection inside a message (or with a reply unread) for this long is dropped
 SERVER_IDLE_S = 300.0  # a connection silent for this long is closed by the server...
@@ -516,10 +517,14 @@ class _Link:
                 self._flush()
             poller.modify(fd, select.POLLIN | (select.POLLOUT if self.out else 0))
             left = deadline - time.monotonic()
-            events = poller.poll(max(0, -int(-left * 1000)))  # ms, rounded up: no spin below 1 ms
+            # poll() counts whole milliseconds: below one, look, then nap briefly (a wait of a fraction
+            # of a millisecond neither spins nor oversleeps to the next millisecond).
+            events = poller.poll(int(left * 1000) if left >= 1e-3 else 0)
             if not events:
                 if left <= 0:
                     return None
+                if left < 1e-3:
+                    time.sleep(min(left, _SHORT_NAP_S))
                 continue
             if events[0][1] & (select.POLLIN | select.POLLERR | select.POLLHUP):
                 data = self.sock.recv(_RECV_BYTES)  # raises the refusal or the reset
@@ -752,16 +757,17 @@ class PendingReply:
         self._open = False
         return self._client._finish(self, timeout_s)
 
-    def ready(self) -> bool:
+    def ready(self, timeout_s: float = 0.0) -> bool:
         """Whether the outcome is there to be taken by :meth:`wait` without waiting: the reply, or a
-        broken connection (which ``wait`` then retries within its own timeout)."""
+        broken connection (which ``wait`` then retries within its own timeout). ``timeout_s``: wait
+        for it that long at most, woken by its arrival."""
         if not self._open:
             return False
         if self._reply is not None or self.broken is not None:
             return True
         assert self.link is not None
         try:
-            self._reply = self.link.reply(0.0)
+            self._reply = self.link.reply(max(0.0, timeout_s))
         except OSError as exc:
             self.broken = exc
         except WireError:

@@ -355,6 +355,7 @@ class MooncakeTransferEngine:
         on_batch: Callable[[int], None] | None = None,
         on_retry: Callable[[str], None] | None = None,
         idle: Callable[[float], None] = time.sleep,
+        before_status: Callable[[], None] | None = None,
     ) -> int:
         """Read ``batches`` of ``(local_addrs, remote_addrs, lengths)`` from ``peer`` with several
         asynchronous engine calls in flight (at most ``max_inflight`` transfers per peer, shared with
@@ -372,7 +373,9 @@ class MooncakeTransferEngine:
         ``batches_done``, the number of batches read in full, in order, before the failure. Never
         returns or raises while a submitted engine call may still write into local memory.
         ``idle(seconds)`` passes the time while a read is expected to be in flight (by default it
-        sleeps; the puller also watches for its lease's answer meanwhile).
+        sleeps; the puller also watches for its lease's answer meanwhile); ``before_status()`` runs
+        before each status call, before the wait for the turn to ask (the puller takes its lease's
+        answer there: a thread blocked in a status call notices nothing).
         """
         known = self._peer(peer)
         budget = known.budget
@@ -415,7 +418,7 @@ class MooncakeTransferEngine:
                                             f"deadline passed waiting for reads in flight to {peer}")
                     redo.appendleft(item)
                 item = inflight.popleft()
-                nbytes = self._complete(peer, known, item, inflight, redo, deadline, on_retry, idle)
+                nbytes = self._complete(peer, known, item, inflight, redo, deadline, on_retry, idle, before_status)
                 total += nbytes
                 if item.last:
                     done += 1
@@ -448,10 +451,10 @@ class MooncakeTransferEngine:
 
     def _complete(self, peer: str, known: _Peer, item: _AsyncBatch, inflight: deque[_AsyncBatch],
                   redo: deque[_AsyncBatch], deadline: float | None, on_retry: Callable[[str], None] | None,
-                  idle: Callable[[float], None] = time.sleep) -> int:
+                  idle: Callable[[float], None] = time.sleep, before_status: Callable[[], None] | None = None) -> int:
         """Wait for ``item``; a failed one is read again synchronously (after every later call in
         flight was waited for and queued to be read again). Returns its bytes."""
-        if self._wait(known, item, deadline, idle):
+        if self._wait(known, item, deadline, idle, before_status):
             return sum(item.lengths)
         took = time.monotonic() - item.started
         what = f"{len(item.lengths)} reads from {peer} (batch {item.index}), attempt 1 failed after {took:.1f}s"
@@ -471,7 +474,7 @@ class MooncakeTransferEngine:
         return sum(item.lengths)
 
     def _wait(self, known: _Peer, item: _AsyncBatch, deadline: float | None = None,
-              idle: Callable[[float], None] = time.sleep) -> bool:
+              idle: Callable[[float], None] = time.sleep, before_status: Callable[[], None] | None = None) -> bool:
         """Wait for ``item``'s engine call (bounded by Mooncake's per-transfer timeout); True if read.
         Sleeps through most of its expected time first: the status call spins."""
         bid, item.bid = item.bid, None
@@ -482,19 +485,21 @@ class MooncakeTransferEngine:
             if bid == 0:
                 return True
             return self._status_after_sleep(known, bid, sum(item.lengths), item.started, item.expected, deadline,
-                                            idle)
+                                            idle, before_status)
         finally:
             known.budget.release(len(item.lengths))
 
     def _status_after_sleep(self, known: _Peer, bid: int, nbytes: int, submitted_at: float,
-                            expected: float, deadline: float | None,
-                            idle: Callable[[float], None] = time.sleep) -> bool:
+                            expected: float, deadline: float | None, idle: Callable[[float], None] = time.sleep,
+                            before_status: Callable[[], None] | None = None) -> bool:
         """The one status call of batch ``bid``, after sleeping through most of its expected time."""
         ok = slept = False
         asked = 0.0
         try:
             slept = sleep_until_expected(expected, submitted_at, deadline, idle) > 0
-            asked = time.monotonic()  # before any wait for our turn: found done after one is no oversleep
+            asked = time.monotonic()  # before any wait (the caller's, our turn): found done after one is no oversleep
+            if before_status is not None:
+                before_status()
             # The status call spins: one thread per peer at a time, but never long behind one that
             # is stuck on a stalled read (it answers only at Mooncake's transfer timeout).
             turn = known.asking.acquire(timeout=ASK_TURN_WAIT_S)
