@@ -105,7 +105,7 @@ class EarlyLease:
             self._early = pending.wait(0.0)
         except side_channel.SideChannelError:
             self._early = None  # asked again, with retries, by answer()
-        self.answered_at = time.monotonic()
+        self.answered_at = pending.arrived_at or time.monotonic()  # the kernel's stamp (receive_stamp)
 
     def answer(self) -> P.Ack:
         """The lease's Ack (raises PullFailed when refused)."""
@@ -119,7 +119,7 @@ class EarlyLease:
                 reply = pending.wait(max(0.05, min(self._timeout_s, self.deadline - time.monotonic())))
             except side_channel.SideChannelError:
                 reply = None
-            answered_at = time.monotonic()
+            answered_at = pending.arrived_at or time.monotonic()
         if isinstance(reply, P.Refused) and not reply.retry:
             raise PullFailed(f"{self.address} refused the pull: {reply.reason}")
         if not isinstance(reply, P.Ack):

@@ -35,6 +35,7 @@ from typing import Any, Union
 import msgspec
 from kv_common.logging_utils import get_logger
 
+from kv_mooncake import receive_stamp
 from kv_mooncake.side_channel_auth import (
     NO_SECRET_HERE,
     NOT_AUTHENTICATED,
@@ -489,6 +490,8 @@ class _Link:
         self.reader = FrameReader(max_bytes)
         self.out = bytearray(GREETING)
         self.used_at = time.monotonic()
+        self.stamped = receive_stamp.enable(sock)  # the kernel dates what arrives (Linux)
+        self.received_ns = 0  # its receive stamp of the bytes read last (wall clock; 0: none)
 
     def send(self, payload: bytes) -> None:
         self.out += frame(payload)
@@ -527,10 +530,16 @@ class _Link:
                     time.sleep(min(left, _SHORT_NAP_S))
                 continue
             if events[0][1] & (select.POLLIN | select.POLLERR | select.POLLHUP):
-                data = self.sock.recv(_RECV_BYTES)  # raises the refusal or the reset
+                data = self._recv()  # raises the refusal or the reset
                 if not data:
                     raise ConnectionResetError("the peer closed the connection")
                 self.reader.feed(data)
+
+    def _recv(self) -> bytes:
+        if not self.stamped:
+            return self.sock.recv(_RECV_BYTES)
+        data, self.received_ns = receive_stamp.receive(self.sock, _RECV_BYTES)
+        return data
 
     def stale(self, now: float) -> bool:
         """An idle connection with anything to read was closed by the peer (or is not ours)."""
@@ -627,6 +636,8 @@ class SideChannelClient:
         pending.link = link
         try:
             pending.wire, pending.nonce = self._seal(pending.payload)
+            link.received_ns = 0  # a stamp from now on dates this request's reply
+            pending.sent_at, pending.offset_at_send_ns = time.monotonic(), receive_stamp.wall_offset_ns()
             link.send(pending.wire)
         except OSError as exc:  # refused or reset: wait() tries a new connection
             pending.broken = exc
@@ -737,6 +748,9 @@ class PendingReply:
         self.wire, self.nonce = b"", b""  # the request as last sent, and its seal's nonce
         self.reused = False  # the connection was kept from an earlier request
         self.broken: OSError | None = None  # the connection failed before the reply
+        # When the request last went out, and when its reply reached this host (receive_stamp;
+        # 0.0 until read: then the kernel's stamp, or the moment it was read without one).
+        self.sent_at, self.offset_at_send_ns, self.arrived_at = 0.0, 0, 0.0
         self._reply: bytes | None = None
         self._open = True
 
@@ -749,7 +763,14 @@ class PendingReply:
             reply, self._reply = self._reply, None
             return reply
         assert self.link is not None
-        return self.link.reply(max(0.0, timeout_s))
+        frame = self.link.reply(max(0.0, timeout_s))
+        if frame is not None:
+            self._note_arrival(self.link)
+        return frame
+
+    def _note_arrival(self, link: _Link) -> None:
+        self.arrived_at = receive_stamp.arrival(link.received_ns, self.offset_at_send_ns,
+                                                receive_stamp.wall_offset_ns(), self.sent_at, time.monotonic())
 
     def wait(self, timeout_s: float) -> msgspec.Struct:
         if not self._open:
@@ -768,6 +789,8 @@ class PendingReply:
         assert self.link is not None
         try:
             self._reply = self.link.reply(max(0.0, timeout_s))
+            if self._reply is not None:
+                self._note_arrival(self.link)
         except OSError as exc:
             self.broken = exc
         except WireError:

@@ -1,0 +1,63 @@
+"""When a reply reached this host (receive_stamp): the kernel's stamp, bounded by when its request
+went out and when a thread saw it, and not used once the wall clock moved."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import msgspec
+import pytest
+from kv_mooncake import receive_stamp
+from kv_mooncake.receive_stamp import MARGIN_S, MAX_OFFSET_DRIFT_NS, arrival
+from kv_mooncake.side_channel import SideChannelClient, SideChannelServer
+
+SECOND_NS = 1_000_000_000
+OFFSET = 1_700_000_000 * SECOND_NS  # wall clock minus monotonic clock
+
+
+def test_a_stamp_dates_the_reply_within_its_request_and_its_reading():
+    sent, noticed = 10.0, 10.050
+    stamp = OFFSET + int(10.002 * SECOND_NS)  # it came 2 ms after the request
+    assert arrival(stamp, OFFSET, OFFSET, sent, noticed) == pytest.approx(10.002 + MARGIN_S)
+    # Never before the request went out, never after a thread saw it.
+    assert arrival(OFFSET + int(9.0 * SECOND_NS), OFFSET, OFFSET, sent, noticed) == sent
+    assert arrival(OFFSET + int(11.0 * SECOND_NS), OFFSET, OFFSET, sent, noticed) == noticed
+
+
+def test_no_stamp_or_a_stepped_wall_clock_dates_the_reply_when_it_was_read():
+    sent, noticed = 10.0, 10.050
+    stamp = OFFSET + int(10.002 * SECOND_NS)
+    assert arrival(0, OFFSET, OFFSET, sent, noticed) == noticed
+    # The wall clock stepped forward 1 s between the request and the reading: its stamp would put
+    # the reply a second early.
+    assert arrival(stamp, OFFSET, OFFSET + SECOND_NS, sent, noticed) == noticed
+    assert arrival(stamp, OFFSET, OFFSET + MAX_OFFSET_DRIFT_NS + 1, sent, noticed) == noticed
+    assert arrival(stamp, OFFSET, OFFSET + MAX_OFFSET_DRIFT_NS, sent, noticed) < noticed
+
+
+class Ping(msgspec.Struct, tag=True):
+    pass
+
+
+class Pong(msgspec.Struct, tag=True):
+    pass
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="receive stamps: Linux only (elsewhere: read time)")
+def test_a_reply_read_late_is_dated_when_it_arrived():
+    """A pull thread gets to its lease's Ack late under load (a status call, the GIL): the reply is
+    dated by the kernel's receive stamp, not by the reading."""
+    with SideChannelServer("127.0.0.1", 0, lambda _m: Pong(), (Ping,)) as server:
+        client = SideChannelClient((Pong,))
+        try:
+            for _ in range(3):  # a new connection, then kept ones
+                pending = client.start(server.address, Ping())
+                time.sleep(0.2)  # the reply comes in well under a millisecond, and waits
+                assert pending.wait(5.0) == Pong()
+                read_at = time.monotonic()
+                assert pending.sent_at <= pending.arrived_at < pending.sent_at + 0.1, \
+                    (pending.arrived_at - pending.sent_at, read_at - pending.sent_at)
+        finally:
+            client.close()
+    assert receive_stamp.SO_TIMESTAMPNS is not None
