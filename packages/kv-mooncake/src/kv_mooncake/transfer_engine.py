@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -15,6 +16,8 @@ from kv_common.logging_utils import get_logger
 from kv_mooncake.transfer_wait import ASK_TURN_WAIT_S, OVERSLEPT_S, ThroughputEstimate, sleep_until_expected
 
 logger = get_logger(__name__)
+
+Transfer = Callable[[list[int], list[int], list[int]], int]  # one synchronous read: the engine's return code
 
 _INSTALL_HINT = (
     "the Mooncake TransferEngine cannot be imported ({exc}). Install the Mooncake build for this device, "
@@ -121,25 +124,22 @@ class _PeerReads:
     one call of the same blocks 0.25-0.3 GB/s), and a lock per peer made concurrent pulls take turns.
 
     The first caller leads: it reads batches (its own and whatever is queued, in arrival order)
-    until its own read is done, then hands over to a waiting caller.
+    until its own read is done, then hands over to a waiting caller. The engine call comes with each
+    read, never kept here: kept, it made the engine, which keeps this, a reference cycle (freed by a
+    later collection, whose Mooncake teardown held the GIL for 0.2-0.4 s in another worker's pulls).
     """
 
-    def __init__(self, read: Callable[[list[int], list[int], list[int]], int], limit: int, budget: _PeerBudget):
-        def read_within_budget(local: list[int], remote: list[int], lengths: list[int]) -> int:
-            budget.acquire(len(lengths), None)  # async batches in flight end within Mooncake's timeout
-            try:
-                return read(local, remote, lengths)
-            finally:
-                budget.release(len(lengths))
-
-        self._read = read_within_budget
+    def __init__(self, limit: int, budget: _PeerBudget):
+        self._budget = budget
         self._limit = limit
         self._cond = threading.Condition()
         self._queue: deque[_ReadItem] = deque()
         self._leading = False
 
-    def read(self, local: list[int], remote: list[int], lengths: list[int], timeout_s: float | None) -> int | None:
-        """The engine's return code, or None when ``timeout_s`` passed before the read started."""
+    def read(self, transfer: Transfer, local: list[int], remote: list[int], lengths: list[int],
+             timeout_s: float | None) -> int | None:
+        """The engine's return code (``transfer`` reads one batch), or None when ``timeout_s`` passed
+        before the read started."""
         item = _ReadItem(local, remote, lengths)
         give_up = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
@@ -160,14 +160,21 @@ class _PeerReads:
                 self._cond.wait(left)
         try:
             while not item.done:
-                self._serve_one_batch()
+                self._serve_one_batch(transfer)
         finally:
             with self._cond:
                 self._leading = False
                 self._cond.notify_all()
         return item.rc
 
-    def _serve_one_batch(self) -> None:
+    def _read(self, transfer: Transfer, local: list[int], remote: list[int], lengths: list[int]) -> int:
+        self._budget.acquire(len(lengths), None)  # async batches in flight end within Mooncake's timeout
+        try:
+            return transfer(local, remote, lengths)
+        finally:
+            self._budget.release(len(lengths))
+
+    def _serve_one_batch(self, transfer: Transfer) -> None:
         with self._cond:
             batch: list[_ReadItem] = []
             n = 0
@@ -178,16 +185,16 @@ class _PeerReads:
                 n += len(it.lengths)
         try:
             if len(batch) == 1:
-                batch[0].rc = self._read(batch[0].local, batch[0].remote, batch[0].lengths)
+                batch[0].rc = self._read(transfer, batch[0].local, batch[0].remote, batch[0].lengths)
             else:
                 started = time.monotonic()
-                rc = self._read([a for it in batch for a in it.local], [a for it in batch for a in it.remote],
+                rc = self._read(transfer, [a for it in batch for a in it.local], [a for it in batch for a in it.remote],
                                 [x for it in batch for x in it.lengths])
                 # Refused at once (an invalid read, not a stalled peer): read each alone, so one bad
                 # read does not fail the others. A slow failure fails all; each caller retries.
                 split = rc != 0 and time.monotonic() - started < _FAST_FAILURE_S
                 for it in batch:
-                    it.rc = self._read(it.local, it.remote, it.lengths) if split else rc
+                    it.rc = self._read(transfer, it.local, it.remote, it.lengths) if split else rc
         except BaseException:
             for it in batch:
                 it.rc = it.rc or -1
@@ -283,8 +290,7 @@ class MooncakeTransferEngine:
             known = self._peers.get(peer)
             if known is None:
                 budget = _PeerBudget(self.max_inflight)
-                reads = _PeerReads(lambda local, remote, lengths: self._transfer(peer, local, remote, lengths),
-                                   self.max_inflight, budget)
+                reads = _PeerReads(self.max_inflight, budget)
                 known = self._peers[peer] = _Peer(budget, reads)
             return known
 
@@ -330,7 +336,8 @@ class MooncakeTransferEngine:
             # Waiting for the peer's reads counts against the pull's deadline like everything else.
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             started = time.monotonic()
-            result = reads.read(list(local), list(remote), list(lengths), wait_s)
+            result = reads.read(functools.partial(self._transfer, peer), list(local), list(remote), list(lengths),
+                                wait_s)
             if result is None:
                 raise TransferError("batch_transfer_sync_read", -1, f"deadline passed waiting for {peer}")
             rc = result
