@@ -202,7 +202,10 @@ def test_closing_a_worker_releases_its_transfer_engine_at_once(producer):
     collection, whose Mooncake teardown (0.5-2.5 s here) then ran on whatever thread allocated at
     that moment: measured inside another worker's pull (benchmarks, tests, a process that builds
     engines one after another). Closing releases it on the closing thread."""
-    instance = Instance(MooncakeConfig(), producer=producer, seed=11)
+    _closing_releases_the_engine(Instance(MooncakeConfig(), producer=producer, seed=11))
+
+
+def _closing_releases_the_engine(instance: Instance) -> None:
     engine = weakref.ref(instance.worker.te)
     gc.disable()
     try:
@@ -223,13 +226,7 @@ def test_a_worker_that_pulled_releases_its_transfer_engine_at_once():
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[5])]))
         decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, [5], [7])]))
         assert _wait_pulled(decode, "r")[0] == set()
-        engine = weakref.ref(decode.worker.te)
-        gc.disable()
-        try:
-            decode.worker.close()
-            assert engine() is None, "the closed worker's TransferEngine waits for the garbage collector"
-        finally:
-            gc.enable()
+        _closing_releases_the_engine(decode)
     finally:
         decode.worker.close()
         prefill.worker.close()
