@@ -21,6 +21,7 @@ from kv_mooncake.config import MooncakeConfig  # noqa: E402
 from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource  # noqa: E402
 from kv_mooncake.side_channel import SideChannelError  # noqa: E402
 from kv_mooncake.worker import LocalCache, MooncakeWorker  # noqa: E402
+from wrapped_engine import WrappedEngine  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
@@ -354,15 +355,13 @@ def test_a_read_begun_before_the_hold_is_read_again_under_the_lease():
         prefill.worker.close()
 
 
-class _SlowStatus:
+class _SlowStatus(WrappedEngine):
     """The decode's real engine with every status call slowed: the read waits in it as it does
     queued behind other pulls' reads to the same prefill (Mooncake's status call spins until done)."""
 
     def __init__(self, engine: Any, delay_s: float):
-        self._engine, self._delay_s = engine, delay_s
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+        super().__init__(engine)
+        self._delay_s = delay_s
 
     def get_batch_transfer_status(self, batch_ids: list[int]) -> int:
         time.sleep(self._delay_s)

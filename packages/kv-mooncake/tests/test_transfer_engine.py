@@ -17,6 +17,7 @@ pytest.importorskip("mooncake.engine")
 
 from kv_common.testing.freeze import freeze  # noqa: E402
 from kv_mooncake.transfer_engine import _ATTEMPT_TIMEOUT_ENV, MooncakeTransferEngine, TransferError  # noqa: E402
+from wrapped_engine import WrappedEngine  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 BLOCK = 4096
@@ -129,17 +130,7 @@ def test_read_from_a_frozen_peer_is_retried_until_it_resumes(target, monkeypatch
     te.close()
 
 
-class _WrappedEngine:
-    """The real engine, every call passed on; subclasses count or slow the calls they override."""
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-
-class _CountingAsync(_WrappedEngine):
+class _CountingAsync(WrappedEngine):
     """The real engine, its asynchronous calls counted: how many are in flight at most, how many
     transfers, and whether every one submitted was waited for."""
 
@@ -275,7 +266,7 @@ def test_concurrent_reads_to_one_peer_are_batched_and_a_bad_one_fails_alone():
     dst_te.register([(dst.ctypes.data, dst.nbytes)])
     calls = []
 
-    class CountingEngine(_WrappedEngine):  # its reads counted and slowed down
+    class CountingEngine(WrappedEngine):  # its reads counted and slowed down
         def batch_transfer_async_read(self, peer, local, remote, lengths):  # what read_blocks submits
             calls.append(len(lengths))
             time.sleep(0.05)  # a slow engine call: reads that arrive meanwhile join the next batch
@@ -377,7 +368,7 @@ def test_threads_reading_one_peer_ask_its_status_one_at_a_time(target, monkeypat
     lock = threading.Lock()
     asking = [0, 0]  # now, most at once
 
-    class SlowStatus(_WrappedEngine):  # its status calls counted and made to last
+    class SlowStatus(WrappedEngine):  # its status calls counted and made to last
         def get_batch_transfer_status(self, bids):
             with lock:
                 asking[0] += 1
@@ -426,7 +417,7 @@ def test_a_status_call_stuck_on_a_stalled_read_holds_the_others_up_only_briefly(
     te.register([(local.ctypes.data, local.nbytes)])
     stuck = threading.Event()
 
-    class OneStuckStatus(_WrappedEngine):  # its first status call stuck
+    class OneStuckStatus(WrappedEngine):  # its first status call stuck
         def get_batch_transfer_status(self, bids):
             if not stuck.is_set():
                 stuck.set()
