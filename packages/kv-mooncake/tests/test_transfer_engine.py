@@ -130,6 +130,57 @@ def test_read_from_a_frozen_peer_is_retried_until_it_resumes(target, monkeypatch
     te.close()
 
 
+@pytest.mark.parametrize("method", ["read_blocks", "read_batches"])
+def test_a_peer_frozen_before_the_first_read_fails_reads_at_their_deadlines(target, method):
+    """The CI flake of 2026-11-28: a prefill answered the side channel's handshake, then froze before
+    the decode's first read. Mooncake opens a peer's segment inside the first read's submit, with a
+    fixed 60 s wait for the peer's answer (not bound by its transfer timeouts), and opens one at a
+    time: the pulls from that prefill failed after 60 s and 121 s against a 45 s deadline. Each read
+    must end at its own deadline, no byte landing in our memory, and read normally once the peer runs."""
+    proc, _, address, base, digests = target
+    n_threads = 2
+    local = np.zeros(n_threads * 4 * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    te.register([(local.ctypes.data, local.nbytes)])
+
+    def args(t: int):
+        return ([local.ctypes.data + (4 * t + i) * BLOCK for i in range(4)], [base + i * BLOCK for i in range(4)],
+                [BLOCK] * 4)
+
+    def read(t: int, deadline: float) -> int:
+        if method == "read_blocks":
+            return te.read_blocks(address, *args(t), deadline=deadline)
+        return te.read_batches(address, [args(t)], deadline=deadline)
+
+    _freeze(proc.pid)
+    took: dict[int, float] = {}
+    errors: dict[int, BaseException] = {}
+
+    def frozen_read(t: int) -> None:
+        t0 = time.monotonic()
+        try:
+            read(t, t0 + 3.0)
+        except TransferError as exc:
+            errors[t] = exc
+        took[t] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=frozen_read, args=(t,), daemon=True) for t in range(n_threads)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(90)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert sorted(errors) == list(range(n_threads)), (errors, took)
+    assert all(t < 5.0 for t in took.values()), took
+    assert not local.any(), "bytes landed in our memory after the read failed"
+    assert read(0, time.monotonic() + 30) == 4 * BLOCK  # the peer runs again: read as usual
+    for i in range(4):
+        assert hashlib.sha256(local[i * BLOCK:(i + 1) * BLOCK]).hexdigest() == digests[i]
+    te.close()
+
+
 class _CountingAsync(WrappedEngine):
     """The real engine, its asynchronous calls counted: how many are in flight at most, how many
     transfers, and whether every one submitted was waited for."""

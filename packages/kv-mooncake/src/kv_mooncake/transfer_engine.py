@@ -13,6 +13,7 @@ from typing import Any
 
 from kv_common.logging_utils import get_logger
 
+from kv_mooncake.first_contact import FirstContact
 from kv_mooncake.transfer_wait import ASK_TURN_WAIT_S, OVERSLEPT_S, ThroughputEstimate, sleep_until_expected
 
 logger = get_logger(__name__)
@@ -225,12 +226,13 @@ class _Peer:
     """What the engine keeps per peer, made on its first read: the transfers in flight to it
     (``budget``), its batched synchronous reads, how long its reads take (``estimate``), and the
     turn to ask a status (``asking``, held through each status call: one thread per peer spins in
-    it, see ``transfer_wait``)."""
+    it, see ``transfer_wait``), and whether its engine answered before the first read (``contact``)."""
 
     budget: _PeerBudget
     reads: _PeerReads
     estimate: ThroughputEstimate = field(default_factory=ThroughputEstimate)
     asking: threading.Lock = field(default_factory=threading.Lock)
+    contact: FirstContact = field(default_factory=FirstContact)
 
 
 class TransferError(RuntimeError):
@@ -294,6 +296,12 @@ class MooncakeTransferEngine:
                 known = self._peers[peer] = _Peer(budget, reads)
             return known
 
+    def _contact(self, peer: str, known: _Peer, op: str, deadline: float | None) -> None:
+        """Raise TransferError, with nothing submitted, unless the peer's engine answers (first_contact)."""
+        why = known.contact.answered(functools.partial(self._engine.send_probe, peer), deadline)
+        if why is not None:
+            raise TransferError(op, -1, f"{peer}: {why}")
+
     def read_blocks(
         self,
         peer: str,
@@ -315,16 +323,22 @@ class MooncakeTransferEngine:
         if not (len(local_addrs) == len(remote_addrs) == n):
             raise ValueError("read_blocks: address and length lists differ in size")
         total = 0
-        reads = self._peer(peer).reads
-        for start in range(0, n, self.max_inflight):
-            if deadline is not None and time.monotonic() > deadline:
-                raise TransferError("batch_transfer_sync_read", -1, f"deadline passed after {start}/{n} reads from {peer}")
-            end = min(n, start + self.max_inflight)
-            self._read_chunk(peer, reads, local_addrs[start:end], remote_addrs[start:end], lengths[start:end],
-                             deadline, on_retry)
-            total += sum(lengths[start:end])
-            if on_chunk is not None:
-                on_chunk()
+        known = self._peer(peer)
+        try:
+            self._contact(peer, known, "batch_transfer_sync_read", deadline)
+            for start in range(0, n, self.max_inflight):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TransferError("batch_transfer_sync_read", -1,
+                                        f"deadline passed after {start}/{n} reads from {peer}")
+                end = min(n, start + self.max_inflight)
+                self._read_chunk(peer, known.reads, local_addrs[start:end], remote_addrs[start:end],
+                                 lengths[start:end], deadline, on_retry)
+                total += sum(lengths[start:end])
+                if on_chunk is not None:
+                    on_chunk()
+        except TransferError:
+            known.contact.forget()
+            raise
         return total
 
     def _read_chunk(self, peer: str, reads: _PeerReads, local: Sequence[int], remote: Sequence[int],
@@ -385,6 +399,7 @@ class MooncakeTransferEngine:
         answer there: a thread blocked in a status call notices nothing).
         """
         known = self._peer(peer)
+        self._contact(peer, known, "batch_transfer_async_read", deadline)
         budget = known.budget
         inflight: deque[_AsyncBatch] = deque()
         redo: deque[_AsyncBatch] = deque()  # waited for after a failure, read again in order
@@ -433,6 +448,7 @@ class MooncakeTransferEngine:
                         on_batch(item.index)
         except TransferError as exc:
             exc.batches_done = done
+            known.contact.forget()
             raise
         finally:
             while inflight:  # never leave while bytes may still land
