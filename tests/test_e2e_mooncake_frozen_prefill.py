@@ -21,6 +21,7 @@ pytest.importorskip("mooncake.engine")
 psutil = pytest.importorskip("psutil")
 
 from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
+from kv_common.testing.freeze import wait_until_stopped  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -39,10 +40,20 @@ def _config(role: str, port: int, **extra) -> dict:
     return cfg
 
 
-def _signal_tree(engine: EngineProcess, sig: int) -> None:
-    for pid in engine.pids():
+def _signal_tree(engine: EngineProcess, sig: int) -> list[int]:
+    pids = engine.pids()
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+    return pids
+
+
+def _freeze_tree(engine: EngineProcess) -> None:
+    # kill() returns before every thread has stopped: in a CI run P1's side channel still answered
+    # the decode's handshake, then its TransferEngine froze before the first read (the first_contact case)
+    for pid in _signal_tree(engine, signal.SIGSTOP):
+        with contextlib.suppress(FileNotFoundError):
+            wait_until_stopped(pid)
 
 
 @pytest.mark.e2e
@@ -65,7 +76,7 @@ def test_frozen_prefill_does_not_delay_pulls_from_the_other():
         params = (p1.generate(prompts[:4], extra, max_tokens=1).kv_transfer_params
                   + p2.generate(prompts[4:], extra, max_tokens=1).kv_transfer_params)
         assert all(params)
-        _signal_tree(p1, signal.SIGSTOP)
+        _freeze_tree(p1)
         try:
             forward = [{"kv_transfer_params": {k: v for k, v in p.items() if k != "remote_prefill_cached_tokens"}}
                        for p in params]
