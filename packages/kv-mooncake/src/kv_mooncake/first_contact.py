@@ -56,6 +56,8 @@ class FirstContact:
         rc = -1
         try:
             rc = int(probe())
+        except Exception:  # noqa: BLE001 - e.g. the engine closed meanwhile: no answer, never a dead thread
+            rc = -1
         finally:
             with self._cond:
                 self._probing = False
