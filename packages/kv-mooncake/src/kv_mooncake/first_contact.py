@@ -32,6 +32,8 @@ class FirstContact:
         """None once the peer answered (now or before); otherwise why not: its probe failed, or
         ``give_up`` (time.monotonic; None: wait for the probe's end) passed first. The engine call
         comes with each ask and is never kept: kept, the engine holding this would be a cycle."""
+        if self._answered:  # every read asks: no lock once answered (a stale False only waits below)
+            return None
         with self._cond:
             if self._answered:
                 return None
