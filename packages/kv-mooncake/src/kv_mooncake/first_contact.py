@@ -7,7 +7,10 @@ process, a descheduled VM) therefore held the pull past its deadline, and every 
 behind it (seen in CI: pulls failed after 60 s and 121 s against a 45 s deadline). The engine's own
 probe (``send_probe``: the same handshake listener, no lock, the GIL released) runs on a thread of
 its own instead, and the reader waits for it only until its deadline: a frozen peer fails the read
-with nothing submitted. One probe per peer at a time; the answer holds until a read to the peer fails.
+with nothing submitted. One probe per peer at a time. Once it answered, the peer is not probed again:
+Mooncake keeps the opened peer for the engine's life (its asynchronous reads never open it again),
+so a later stall is a read's, bounded by the transfer timeouts; probing again after a failed read
+would only hold reads back behind a probe still stuck on a link that came back.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ Probe = Callable[[], int]  # the engine's probe of one peer: 0 when it answered
 
 
 class FirstContact:
-    """One peer's answer to the probe: asked once, kept until :meth:`forget`."""
+    """One peer's answer to the probe: asked until it answered once, then kept."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -48,11 +51,6 @@ class FirstContact:
             if self._answered:
                 return None
             return f"its TransferEngine did not answer a probe (code {self._last_rc})"
-
-    def forget(self) -> None:
-        """A read to the peer failed: ask again before the next one (it may have restarted or froze)."""
-        with self._cond:
-            self._answered = False
 
     def _run(self, probe: Probe) -> None:
         rc = -1

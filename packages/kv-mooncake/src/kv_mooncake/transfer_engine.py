@@ -327,21 +327,16 @@ class MooncakeTransferEngine:
             raise ValueError("read_blocks: address and length lists differ in size")
         total = 0
         known = self._peer(peer)
-        try:
-            self._contact(peer, known, "batch_transfer_sync_read", deadline)
-            for start in range(0, n, self.max_inflight):
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TransferError("batch_transfer_sync_read", -1,
-                                        f"deadline passed after {start}/{n} reads from {peer}")
-                end = min(n, start + self.max_inflight)
-                self._read_chunk(peer, known.reads, local_addrs[start:end], remote_addrs[start:end],
-                                 lengths[start:end], deadline, on_retry)
-                total += sum(lengths[start:end])
-                if on_chunk is not None:
-                    on_chunk()
-        except TransferError:
-            known.contact.forget()
-            raise
+        self._contact(peer, known, "batch_transfer_sync_read", deadline)
+        for start in range(0, n, self.max_inflight):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransferError("batch_transfer_sync_read", -1, f"deadline passed after {start}/{n} reads from {peer}")
+            end = min(n, start + self.max_inflight)
+            self._read_chunk(peer, known.reads, local_addrs[start:end], remote_addrs[start:end], lengths[start:end],
+                             deadline, on_retry)
+            total += sum(lengths[start:end])
+            if on_chunk is not None:
+                on_chunk()
         return total
 
     def _read_chunk(self, peer: str, reads: _PeerReads, local: Sequence[int], remote: Sequence[int],
@@ -451,7 +446,6 @@ class MooncakeTransferEngine:
                         on_batch(item.index)
         except TransferError as exc:
             exc.batches_done = done
-            known.contact.forget()
             raise
         finally:
             while inflight:  # never leave while bytes may still land
