@@ -181,6 +181,27 @@ def test_a_peer_frozen_before_the_first_read_fails_reads_at_their_deadlines(targ
     te.close()
 
 
+def test_an_engine_without_the_probe_reads_as_before(target):
+    """A Mooncake build without ``send_probe`` (before 0.3.11): no probe, the read goes as it did."""
+    _, _, address, base, digests = target
+
+    class NoProbe(WrappedEngine):
+        def __getattr__(self, name):
+            if name == "send_probe":
+                raise AttributeError(name)
+            return super().__getattr__(name)
+
+    local = np.zeros(4 * BLOCK, dtype=np.uint8)
+    te = MooncakeTransferEngine("127.0.0.1", "tcp", "", 512)
+    te.register([(local.ctypes.data, local.nbytes)])
+    te._engine = NoProbe(te._engine)
+    args = ([local.ctypes.data + i * BLOCK for i in range(4)], [base + i * BLOCK for i in range(4)], [BLOCK] * 4)
+    assert te.read_batches(address, [args], deadline=time.monotonic() + 30) == 4 * BLOCK
+    for i in range(4):
+        assert hashlib.sha256(local[i * BLOCK:(i + 1) * BLOCK]).hexdigest() == digests[i]
+    te.close()
+
+
 class _CountingAsync(WrappedEngine):
     """The real engine, its asynchronous calls counted: how many are in flight at most, how many
     transfers, and whether every one submitted was waited for."""
