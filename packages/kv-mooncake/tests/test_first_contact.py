@@ -8,8 +8,9 @@ import time
 from kv_mooncake.first_contact import FirstContact
 
 
-class GatedProbe:
-    """A probe that answers ``rc`` once released; counts its calls."""
+class FakeProbe:
+    """Stands in for the engine's send_probe (tested on real engines in test_transfer_engine): answers
+    ``rc`` once released; counts its calls."""
 
     def __init__(self, rc: int = 0):
         self.rc = rc
@@ -23,7 +24,7 @@ class GatedProbe:
 
 
 def test_an_answer_is_asked_once_and_kept():
-    contact, probe = FirstContact(), GatedProbe()
+    contact, probe = FirstContact(), FakeProbe()
     probe.release.set()
     assert contact.answered(probe, time.monotonic() + 5) is None
     probe.rc = -1  # never asked again: Mooncake keeps the peer it opened
@@ -32,7 +33,7 @@ def test_an_answer_is_asked_once_and_kept():
 
 
 def test_a_silent_peer_ends_each_wait_at_its_deadline_and_is_probed_once_meanwhile():
-    contact, probe = FirstContact(), GatedProbe()
+    contact, probe = FirstContact(), FakeProbe()
     t0 = time.monotonic()
     why = contact.answered(probe, t0 + 0.2)
     assert why is not None and "deadline" in why
@@ -45,7 +46,7 @@ def test_a_silent_peer_ends_each_wait_at_its_deadline_and_is_probed_once_meanwhi
 
 
 def test_a_refusing_probe_is_named_and_asked_again_next_time():
-    contact, probe = FirstContact(), GatedProbe(rc=-102)
+    contact, probe = FirstContact(), FakeProbe(rc=-102)
     probe.release.set()
     why = contact.answered(probe, time.monotonic() + 5)
     assert why is not None and "-102" in why
