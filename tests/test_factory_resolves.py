@@ -52,36 +52,65 @@ print(json.dumps({n: n in F._registry for n in names}))
 """
 
 
-def _registered_with(plugin: str, names: list[str], **env: str) -> dict[str, bool]:
+ALL_NAMES = [n for names in PER_PACKAGE.values() for n in names] + ["KVCommonProbeConnector"]
+# (plugin, extra environment) of every check: each child imports vLLM (about 16 s of one core on
+# the CI machine), so they all start at once and run side by side.
+CHECKS = [(plugin, ()) for plugin in sorted(PER_PACKAGE)] + [("kv_common_probe", (("KV_COMMON_ENABLE_PROBE", "1"),))]
+
+
+@pytest.fixture(scope="module")
+def registered() -> dict[tuple[str, tuple[tuple[str, str], ...]], dict[str, bool] | str]:
+    """Per check, the names vLLM's factory holds with only that plugin allowed (or why it was
+    skipped: the plugin is not installed here)."""
     import json
     import os
     import subprocess
     import sys
     from importlib import metadata
 
-    eps = metadata.entry_points(group="vllm.general_plugins")
-    if plugin not in {ep.name for ep in eps}:
-        pytest.skip(f"{plugin} is not installed in this environment")
-    child_env = dict(os.environ, VLLM_PLUGINS=plugin)
-    child_env.pop("KV_COMMON_ENABLE_PROBE", None)
-    child_env.update(env)
-    out = subprocess.run(
-        [sys.executable, "-c", _CHECK, json.dumps(names)],
-        env=child_env, capture_output=True, text=True, timeout=300, check=True,
-    ).stdout.strip().splitlines()[-1]
-    return json.loads(out)
+    installed = {ep.name for ep in metadata.entry_points(group="vllm.general_plugins")}
+    children = {}
+    for plugin, env in CHECKS:
+        if plugin not in installed:
+            continue
+        child_env = dict(os.environ, VLLM_PLUGINS=plugin)
+        child_env.pop("KV_COMMON_ENABLE_PROBE", None)
+        child_env.update(env)
+        children[(plugin, env)] = subprocess.Popen(
+            [sys.executable, "-c", _CHECK, json.dumps(ALL_NAMES)], env=child_env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results: dict[tuple[str, tuple[tuple[str, str], ...]], dict[str, bool] | str] = {}
+    try:
+        for check in CHECKS:
+            child = children.get(check)
+            if child is None:
+                results[check] = f"{check[0]} is not installed in this environment"
+                continue
+            out, err = child.communicate(timeout=300)
+            assert child.returncode == 0, f"{check}: exit {child.returncode}: {err[-2000:]}"
+            results[check] = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for child in children.values():
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    return results
 
 
-ALL_NAMES = [n for names in PER_PACKAGE.values() for n in names] + ["KVCommonProbeConnector"]
+def _registered_with(registered: dict, plugin: str, **env: str) -> dict[str, bool]:
+    result = registered[(plugin, tuple(env.items()))]
+    if isinstance(result, str):
+        pytest.skip(result)
+    return result
 
 
 @pytest.mark.parametrize("plugin", sorted(PER_PACKAGE))
-def test_each_package_alone_registers_its_names(plugin):
-    registered = _registered_with(plugin, ALL_NAMES)
+def test_each_package_alone_registers_its_names(registered, plugin):
+    got = _registered_with(registered, plugin)
     for name in ALL_NAMES:
-        assert registered[name] == (name in PER_PACKAGE[plugin]), (plugin, name, registered)
+        assert got[name] == (name in PER_PACKAGE[plugin]), (plugin, name, got)
 
 
-def test_probe_registered_only_when_asked():
-    registered = _registered_with("kv_common_probe", ALL_NAMES, KV_COMMON_ENABLE_PROBE="1")
-    assert registered == {name: name == "KVCommonProbeConnector" for name in ALL_NAMES}
+def test_probe_registered_only_when_asked(registered):
+    got = _registered_with(registered, "kv_common_probe", KV_COMMON_ENABLE_PROBE="1")
+    assert got == {name: name == "KVCommonProbeConnector" for name in ALL_NAMES}
