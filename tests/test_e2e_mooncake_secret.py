@@ -137,6 +137,9 @@ def test_decode_with_the_secret_pulls_and_a_stranger_frees_nothing(engines, monk
 
 
 def test_decode_without_the_secret_recomputes_and_keeps_serving(engines):
+    from kv_mooncake import protocol as P
+    from kv_mooncake import side_channel
+
     p, n = engines["p"], engines["n"]
     prompts = _prompts(2, seed=2)
     reference = p.generate(prompts)
@@ -150,3 +153,10 @@ def test_decode_without_the_secret_recomputes_and_keeps_serving(engines):
     assert_same_tokens(n.generate(prompts), reference)  # N still serves
     # P's holds for N wait for their expiry (N's FreeNow is refused too), P still answers D's kind.
     assert _wait(P_PORT, lambda r: r["held_requests"] >= 2)["held_requests"] == 2
+    # A peer with the secret can free them: and must, or P's shutdown waits out the holds (vLLM's
+    # EngineCore exits only once no request is left, held ones included: 30 s of every CI run).
+    for prm in params:
+        reply = side_channel.request(f"127.0.0.1:{P_PORT}", P.FreeNow(request_id=prm["remote_request_id"]),
+                                     P.REPLY_TYPES, 5.0, auth=_auth())
+        assert isinstance(reply, P.Ack), reply
+    assert _wait(P_PORT, lambda r: r["held_requests"] == 0)["held_requests"] == 0
