@@ -109,11 +109,10 @@ class LayoutSide:
         self.trailers = memoryview(bytearray(16 * 2 * n))  # registered: Mooncake reads parts in place
         backend.register_buffer(self.trailers)
 
-    def parts(self, transfer) -> list[list[memoryview]]:
-        n = len(transfer.block_hashes)
-        off = 0 if transfer.request_id.startswith("s") else n  # the load's trailers never the save's
-        return [self.view.block_parts(transfer, i, self.trailers[16 * (off + i) : 16 * (off + i + 1)])
-                for i in range(n)]
+    def parts(self, transfer, first_trailer: int) -> list[list[memoryview]]:
+        """Each block of ``transfer`` as parts, with trailers from slot ``first_trailer`` on."""
+        return [self.view.block_parts(transfer, i, self.trailers[16 * j : 16 * (j + 1)])
+                for i, j in enumerate(range(first_trailer, first_trailer + len(transfer.block_hashes)))]
 
     def put(self, keys: list[str], parts: list[list[memoryview]]) -> None:
         ok = self.backend.batch_put_parts(keys, parts)
@@ -182,9 +181,11 @@ def _measure(
                 if side == "layout":
                     assert layout is not None
                     keys = [f"layout/{value_bytes}/{rep}/{i}" for i in range(n)]
-                    src = layout.parts(BlockTransfer(request_id="s", block_hashes=hashes, block_ids=[list(range(n))]))
+                    # the saved blocks, and the load's into the blocks the connector loads into
+                    src = layout.parts(BlockTransfer(request_id="s", block_hashes=hashes,
+                                                     block_ids=[list(range(n))]), 0)
                     dst = layout.parts(BlockTransfer(request_id="l", block_hashes=hashes,
-                                                     block_ids=[list(range(n, 2 * n))]))
+                                                     block_ids=[list(range(n, 2 * n))]), n)
                     t0 = time.perf_counter()
                     layout.put(keys, src)
                     t1 = time.perf_counter()
