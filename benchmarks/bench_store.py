@@ -386,9 +386,11 @@ def why_claim(results: dict, backends: list[str], sizes: list[int], c: dict[str,
         f"and a load through staging at {c['get_staged']:.2f} (Mooncake at its default 30 s + 30 s timeouts, "
         "longer than load_timeout_s: a late copy must land in staging, never in the KV cache, and a second "
         f"copy scatters it; `{MOONCAKE_BOUNDED}` is kv-store's README setting that keeps its loads zero-copy); "
-        f"without the check the connector measured put {min(nc['put']):.2f}-{max(nc['put']):.2f} and get "
-        f"{min(nc['get']):.2f}-{max(nc['get']):.2f} of raw (zero-copy loads, no deadline: per-call and plan "
-        "overhead only). The embedded store copies under the GIL, so its calls run on the caller's thread; "
+        f"without the check the connector measured get {min(nc['get']):.2f}-{max(nc['get']):.2f} of raw (zero-copy "
+        "loads, no deadline: per-call and plan overhead only) and put "
+        f"{min(nc['put']):.2f}-{max(nc['put']):.2f} (through staging, a gather copy more: without a check a "
+        "zero-copy put given up at save_timeout_s could store bytes of blocks vLLM gave to another request, "
+        "and nothing would catch it). The embedded store copies under the GIL, so its calls run on the caller's thread; "
         "beyond its ceiling the check would need another core, which on this shared 2-core VM is rarely free"
     )
 
