@@ -105,14 +105,21 @@ class LayoutSide:
     one contiguous buffer; the connector's own cost is what it adds beyond this."""
 
     def __init__(self, backend, view, n: int) -> None:
-        self.backend, self.view = backend, view
-        self.trailers = memoryview(bytearray(16 * 2 * n))  # registered: Mooncake reads parts in place
-        backend.register_buffer(self.trailers)
+        from kv_store.codec import TRAILER_SIZE
+        from kv_store.metadata import BlockTransfer
+        from kv_store.staging import TrailerArea
 
-    def parts(self, transfer, first_trailer: int) -> list[list[memoryview]]:
-        """Each block of ``transfer`` as parts, with trailers from slot ``first_trailer`` on."""
-        return [self.view.block_parts(transfer, i, self.trailers[16 * j : 16 * (j + 1)])
-                for i, j in enumerate(range(first_trailer, first_trailer + len(transfer.block_hashes)))]
+        self.backend = backend
+        # the worker's own trailer slots, registered: Mooncake reads parts in place
+        self.trailers = TrailerArea(memoryview(bytearray(TRAILER_SIZE * 2 * n)))
+        backend.register_buffer(self.trailers.view)
+        # the blocks the connector saves (0..n) and those it loads into (n..2n), each with its own trailer
+        def blocks(first: int) -> list[list[memoryview]]:
+            transfer = BlockTransfer(request_id="layout", block_hashes=[b""] * n,
+                                     block_ids=[list(range(first, first + n))])
+            return [view.block_parts(transfer, i, self.trailers[first + i]) for i in range(n)]
+
+        self.src, self.dst = blocks(0), blocks(n)
 
     def put(self, keys: list[str], parts: list[list[memoryview]]) -> None:
         ok = self.backend.batch_put_parts(keys, parts)
@@ -123,7 +130,7 @@ class LayoutSide:
         assert all(g == sum(p.nbytes for p in ps) for g, ps in zip(got, parts, strict=True)), got
 
     def close(self) -> None:
-        self.backend.unregister_buffer(self.trailers)
+        self.backend.unregister_buffer(self.trailers.view)
 
 
 def _measure(
@@ -181,15 +188,10 @@ def _measure(
                 if side == "layout":
                     assert layout is not None
                     keys = [f"layout/{value_bytes}/{rep}/{i}" for i in range(n)]
-                    # the saved blocks, and the load's into the blocks the connector loads into
-                    src = layout.parts(BlockTransfer(request_id="s", block_hashes=hashes,
-                                                     block_ids=[list(range(n))]), 0)
-                    dst = layout.parts(BlockTransfer(request_id="l", block_hashes=hashes,
-                                                     block_ids=[list(range(n, 2 * n))]), n)
                     t0 = time.perf_counter()
-                    layout.put(keys, src)
+                    layout.put(keys, layout.src)
                     t1 = time.perf_counter()
-                    layout.get(keys, dst)
+                    layout.get(keys, layout.dst)
                     t2 = time.perf_counter()
                     _remove(backend, keys)
                 elif side == "raw":
