@@ -68,6 +68,8 @@ def kill(run: Running) -> None:
         os.killpg(run.process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    if run.process.poll() is None:  # never wait on a session that escaped its group
+        run.process.kill()
     run.process.wait()
 
 
