@@ -22,6 +22,9 @@ nox.options.default_venv_backend = "uv"
 if os.path.isdir("/opt/wheels"):
     # This machine's local torch 2.13.0+cpu wheel (pip finds it through pip.conf; uv needs telling).
     os.environ.setdefault("UV_FIND_LINKS", "/opt/wheels")
+# scripts/test.sh (CI) runs this set in three steps: `-s lint`, every session tagged "tests" side by
+# side (scripts/parallel_sessions.py), then `-t e2e`. A session added here needs one of those names
+# or tags, or CI will not run it.
 nox.options.sessions = ["lint", "tests", "e2e-3.11", "e2e-ucm-3.12"]
 
 PACKAGES = ["kv-common", "kv-mooncake", "kv-store", "kv-ucm"]
