@@ -12,13 +12,14 @@ from kv_ucm.ucm_store import UcmInstallationError, check_ucm_installation
 
 
 class FakeDist:
-    def __init__(self, name, top_level=None, files=()):
+    def __init__(self, name, top_level=None, files=(), record=None):
         self.metadata = {"Name": name}
         self._top = top_level
+        self._record = record
         self.files = [PurePosixPath(f) for f in files]
 
     def read_text(self, filename):
-        return self._top if filename == "top_level.txt" else None
+        return {"top_level.txt": self._top, "RECORD": self._record}.get(filename)
 
 
 BACKEND = FakeDist("uc-manager-cuda-cu130", files=["ucm/__init__.py", "ucm/store/factory_v1.py"])
@@ -97,6 +98,20 @@ def test_other_distribution_providing_ucm(env):
     env([BACKEND, FakeDist("some-other-thing", top_level="ucm\nother")])
     with pytest.raises(UcmInstallationError, match="some-other-thing"):
         check_ucm_installation()
+
+
+def test_a_ucm_package_listed_in_record_is_found_from_its_text(env):
+    # The RECORD's text is read, not its parsed file list (thousands of paths for torch or vLLM:
+    # ~1 s on every store open). A quoted path (CSV) counts too.
+    for record in ('ucm/__init__.py,sha256=abc,10\nother/x.py,,\n', '"ucm/a,b.py",sha256=abc,10\n'):
+        env([BACKEND, FakeDist("wheel-with-ucm", record=record)])
+        with pytest.raises(UcmInstallationError, match="wheel-with-ucm"):
+            check_ucm_installation()
+
+
+def test_a_record_without_ucm_is_not_read_as_providing_it(env):
+    env([BACKEND, FakeDist("ucmx", record="ucmx/__init__.py,,\nucm.txt,,\ndocs/ucm/a,,\n")])
+    check_ucm_installation()
 
 
 def test_unpackaged_source_checkout_is_accepted(env):

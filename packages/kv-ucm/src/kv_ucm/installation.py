@@ -36,6 +36,12 @@ def _provides_top_level_ucm(dist: Any) -> bool:
     if top and "ucm" in top.split():
         return True
     try:
+        record = dist.read_text("RECORD")
+    except Exception:  # noqa: BLE001
+        record = None
+    if record is not None:  # its text, not ``dist.files``: parsing torch's or vLLM's ~1 s a check
+        return any(line.lstrip('"').startswith("ucm/") for line in record.splitlines())
+    try:
         files = dist.files or []
     except Exception:  # noqa: BLE001
         files = []
