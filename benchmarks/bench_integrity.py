@@ -180,7 +180,8 @@ def claims(results: dict) -> list:
         out.append(Claim(
             f"why: a copy plus the xxh3 check on one core reaches {c['put']:.2f} of the copy alone (a put, or a "
             f"zero-copy load) and {c['get_staged']:.2f} for a load through staging (copy, check, second copy; "
-            f"{c['get_staged_fused']:.2f} with the scatter in the passes; Mooncake at its default timeouts): the "
+            f"{c['get_staged_fused']:.2f} with the scatter in the passes; Mooncake with timeouts longer than the "
+            "deadline): the "
             "measured ratios sit at that ceiling; 0.9 needs the check on another core than the copy"))
     return out
 

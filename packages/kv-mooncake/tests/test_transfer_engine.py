@@ -518,3 +518,20 @@ def test_a_status_call_stuck_on_a_stalled_read_holds_the_others_up_only_briefly(
     assert 0 < took[1] < ASK_TURN_WAIT_S + 1.0, took
     for j in range(32):
         assert hashlib.sha256(local[j * BLOCK:(j + 1) * BLOCK]).hexdigest() == digests[j]
+
+
+def test_the_attempt_timeout_is_the_earliest_of_mooncakes_transfer_timeouts(monkeypatch):
+    """Whichever of Mooncake's timeouts ends a stalled transfer first is the attempt's length. kv-store
+    sets a shorter TCP progress timeout for its Mooncake store client in the same process: a stalled
+    attempt then ends after that, and must still read as a timeout (retried), not a refusal."""
+    from kv_mooncake.transfer_engine import _attempt_timeout_s
+
+    for name in _ATTEMPT_TIMEOUT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert _attempt_timeout_s() == 30.0  # Mooncake's defaults
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "10")
+    assert _attempt_timeout_s() == 10.0
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "5")
+    assert _attempt_timeout_s() == 5.0
+    monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "soon")  # unreadable: Mooncake's own default
+    assert _attempt_timeout_s() == 5.0

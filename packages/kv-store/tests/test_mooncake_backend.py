@@ -139,6 +139,47 @@ def test_the_call_bound_comes_from_mooncakes_own_timeouts(monkeypatch):
     assert mooncake_call_bound_s("tcp", 0) is None
 
 
+def test_a_default_store_config_bounds_mooncake_within_the_load_deadline(mooncake_master, monkeypatch):
+    """kv-store's defaults: Mooncake's calls end within load_timeout_s, so loads go straight into the
+    KV cache (no staging copy). An operator's own Mooncake timeouts win."""
+    from kv_store.backends import make_mooncake_backend
+    from kv_store.config import StoreConfig
+
+    monkeypatch.delenv("MC_RPC_TIMEOUT_MS", raising=False)
+    monkeypatch.delenv("MC_TCP_PROGRESS_TIMEOUT_SEC", raising=False)
+    config = StoreConfig(backend="mooncake", mooncake=MooncakeOptions(
+        master_server_address=mooncake_master.address, metadata_server="P2PHANDSHAKE", protocol="tcp",
+        local_hostname="127.0.0.1", device_name="", global_segment_size=64 << 20, local_buffer_size=16 << 20))
+    b = make_mooncake_backend(config)
+    try:
+        bound = b.call_bound_s(256 << 20)
+        assert bound is not None and bound < config.load_timeout_s
+    finally:
+        b.close()
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "30000")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "30")
+    b = make_mooncake_backend(config)
+    try:
+        assert b.call_bound_s(0) == pytest.approx(60.0)  # the operator's: staging under the deadline
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("load_timeout_s", [0.5, 1.0, 2.0, 4.0, 10.0, 30.0, 600.0])
+def test_the_timeouts_kv_store_sets_fit_every_load_deadline(load_timeout_s):
+    from kv_store.mooncake_backend import call_timeouts_within, mooncake_call_bound_s
+
+    settings = call_timeouts_within(load_timeout_s)
+    bound = mooncake_call_bound_s("tcp", 256 << 20, settings)
+    assert bound is not None
+    if load_timeout_s >= 4.0:
+        assert bound < load_timeout_s
+    assert all(float(v) >= 1 for v in (float(settings[k]) / 1000 if k.endswith("_MS") else settings[k]
+                                       for k in settings))  # never under a second each
+    assert bound <= 8.3  # never longer than kv-store's defaults (3 s RPC, 5 s without progress)
+    assert call_timeouts_within(0) == {}  # no deadline: Mooncake's own defaults stay
+
+
 def test_a_frozen_segment_holder_ends_a_get_within_the_call_bound(mooncake_master, monkeypatch):
     """The bound is what lets a load under a deadline go straight into the KV cache: a get from a
     holder that stopped answering must end by itself within it."""

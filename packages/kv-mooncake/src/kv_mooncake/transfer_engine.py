@@ -42,11 +42,16 @@ _MAX_FAST_FAILURES = 3
 
 
 def _attempt_timeout_s() -> float:
-    """Mooncake's limit on one transfer in this process (what the engine reads at start-up)."""
-    try:
-        return float(os.environ.get(_ATTEMPT_TIMEOUT_ENV[0], "30"))
-    except ValueError:
-        return 30.0
+    """Mooncake's limit on one transfer in this process (what the engine reads at start-up): the
+    earliest of its timeouts that end a stalled transfer (another connector in the process, e.g.
+    kv-store's Mooncake store client, may have set a shorter one first)."""
+    def seconds(name: str) -> float:
+        try:
+            return float(os.environ.get(name, "30"))
+        except ValueError:
+            return 30.0  # unreadable: Mooncake keeps its default
+
+    return min(seconds(name) for name in _ATTEMPT_TIMEOUT_ENV)
 
 
 def bound_attempt_timeouts(attempt_timeout_s: float) -> None:

@@ -59,9 +59,11 @@ def make_embedded_backend(config: StoreConfig, role: Any = None) -> Backend:
 
 
 def make_mooncake_backend(config: StoreConfig, role: Any = None) -> Backend:
-    from kv_store.mooncake_backend import MooncakeBackend
+    from kv_store.mooncake_backend import MooncakeBackend, bound_call_timeouts
 
     options = resolve_mooncake(config.mooncake)
+    if options.get("protocol") == "tcp":  # the only transport whose call bound was measured
+        bound_call_timeouts(config.load_timeout_s)
     if role is not None and getattr(role, "name", "") == "SCHEDULER":
         # The scheduler only asks "exists?": it contributes no memory to the pool.
         options["global_segment_size"] = 0
