@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -408,18 +409,6 @@ def _phase_cells(s: dict) -> list:
     return [*(ph[name] for name in PHASES), s["rest_ms"]]
 
 
-def fixed_and_per_mib(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares line through (pull size in MiB, connector - best raw in ms): its intercept is
-    what a pull costs whatever it moves (the fixed cost), its slope the extra per MiB (a throughput
-    gap, which the difference at one size would count as fixed). Needs two sizes at least."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return my - slope * mx, slope
-
-
 def why_fixed_cost(s: dict) -> str:
     """Where the fixed cost of the worst small pull went, from the decode's own phases (this run)."""
     ph = s["phase_ms"]
@@ -523,7 +512,9 @@ def run(quick: bool) -> Section:
             f"p10-p90 {smallest['fixed_ms'][0]:.2f} to {smallest['fixed_ms'][2]:.2f})", smallest["fixed_ms"][1], 0.3,
             higher_is_better=False, fmt=".2f", unit=" ms"))
         if len(small_rows) >= 2:
-            intercept, per_mib = fixed_and_per_mib([(s["total"] / MIB, s["fixed_ms"][1]) for s in small_rows])
+            # Slope: the extra per MiB (a throughput gap); intercept: what a pull costs whatever it moves.
+            per_mib, intercept = statistics.linear_regression([s["total"] / MIB for s in small_rows],
+                                                              [s["fixed_ms"][1] for s in small_rows])
             claims.append(Claim(
                 f"connector - best raw at the worst pull size ({worst_fixed['total'] // MIB} MiB, median): "
                 f"{worst_fixed['fixed_ms'][1]:.2f} ms, the fixed cost plus that size's throughput gap; a least-squares "

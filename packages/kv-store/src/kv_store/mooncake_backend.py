@@ -101,14 +101,13 @@ def call_timeouts_within(load_timeout_s: float) -> dict[str, str]:
     return {RPC_TIMEOUT_ENV: str(int(rpc_s * 1000)), TCP_PROGRESS_TIMEOUT_ENV: str(progress_s)}
 
 
-def bound_call_timeouts(load_timeout_s: float, environ: dict[str, str] | None = None) -> None:
+def bound_call_timeouts(load_timeout_s: float) -> None:
     """Set ``call_timeouts_within(load_timeout_s)`` for this process, unless the operator set them
     (read by the Mooncake client as it is set up: call before). Like kv-mooncake's attempt timeouts:
     in one process the first setting stays (kv-mooncake's 10 s progress timeout, set first, makes
     the store's calls outlast a 10 s deadline: its loads then go through staging, still correct)."""
-    env: Any = os.environ if environ is None else environ
     for name, value in call_timeouts_within(load_timeout_s).items():
-        env.setdefault(name, value)
+        os.environ.setdefault(name, value)
 
 
 def put_succeeded(code: int) -> bool:
