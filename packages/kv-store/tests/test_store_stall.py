@@ -351,3 +351,52 @@ def test_scheduler_plan_after_breaker_skip_schedules_no_load():
     assert not plan.loads and [len(s.block_hashes) for s in plan.saves] == [4]
     backend.release_all()
     sched.close()
+
+
+class SecondGetHangs(BlockingBackend):
+    """Staging only: once ``arm``ed, the first get answers and every later one hangs (until
+    ``release``), so a load of several passes is cut off between them."""
+
+    def arm(self) -> None:
+        self._armed_at = self.entered["get"]
+
+    def batch_get_into(self, keys, buffers):
+        if getattr(self, "_armed_at", None) is not None and self.entered["get"] > self._armed_at:
+            self.hold("get")
+        return super().batch_get_into(keys, buffers)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_staged_load_scatters_each_checked_pass_and_nothing_after_its_deadline(mode):
+    """Through staging each pass lands in the KV cache as soon as it is checked, while the next
+    one is fetched; once the load is given up at its deadline, nothing more lands, even when the
+    hung get returns."""
+    backend = SecondGetHangs(16 << 20)
+    worker, caches = saved_worker(backend, load_timeout_s=3.0, load_mode=mode)
+    backend.pass_bytes = 2 * worker.value_size  # 4 blocks: two passes
+    before = {name: c[9:13].clone() for name, c in caches.items()}
+    backend.arm()
+    plan = StorePlan(loads=[transfer("x", HASHES, [9, 10, 11, 12])])
+    t0 = time.monotonic()
+    done = threading.Thread(target=worker.load_sync if mode == "sync" else worker.start_async, args=(plan,))
+    done.start()
+    # The second pass hangs in the backend; the first pass is in the KV cache already.
+    wait_until(lambda: backend.entered["get"] >= 2, 2.5)
+    wait_until(lambda: all(torch.equal(c[9:11], c[1:3]) for c in caches.values()), 2.5)
+    assert time.monotonic() - t0 < 3.0, "the first pass landed only after the deadline: nothing shown"
+    if mode == "sync":
+        done.join(15)
+        assert not done.is_alive()
+    else:
+        done.join(15)
+        wait_until(lambda: worker.take_finished_loads(set()) == {"x"}, 15)
+    assert time.monotonic() - t0 >= 2.9  # given up at the deadline, not earlier
+    assert worker.ledger.take_block_ids_with_load_errors() == {9, 10, 11, 12}
+    backend.release_all()  # the hung get returns: its pass never reaches the KV cache
+    late = worker.loader._late_fetch if mode == "sync" else worker.loader._async_late
+    assert late is not None
+    late.exception(10)
+    for name, c in caches.items():
+        assert torch.equal(c[11:13], before[name][2:]), f"{name}: a given-up load wrote into the KV cache"
+    assert worker.ledger.take_block_ids_with_load_errors() == set()
+    worker.close(1)

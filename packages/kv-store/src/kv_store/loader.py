@@ -18,7 +18,10 @@
 - "async" loads from such a backend go straight into the KV blocks too; a request aborted or past
   its deadline is then stopped between rounds and reported only once no call of it runs.
 - Each pass is checked while the backend fetches the next one (``passes``); the pass size is the
-  backend's (cache-sized in memory, the whole request over RPC).
+  backend's (cache-sized in memory, the whole request over RPC). Through staging, a pass's intact
+  blocks are scattered into the KV cache as soon as they are checked (while the next pass is
+  fetched, its bytes still in cache), through a ``KVWriteGate`` that whoever waits for the fetch
+  closes when it gives up: no write starts after that.
 """
 
 from __future__ import annotations
@@ -44,13 +47,39 @@ from kv_store.store_access import StoreAccess
 logger = get_logger(__name__)
 
 
+class KVWriteGate:
+    """The KV-cache writes of a fetch that another thread waits for, with a deadline: each write runs
+    under ``lock`` while the gate is open; once the waiter closes it (``close``: it gave up and is
+    about to report the blocks for recompute), no write starts, and one running is waited for (a
+    copy at memory speed, never a backend call). ``is_open``: another condition under the same lock
+    (an async load's give-up)."""
+
+    def __init__(self, lock: threading.Lock | None = None, is_open: Callable[[], bool] | None = None) -> None:
+        self._lock = lock or threading.Lock()
+        self._closed = False
+        self._is_open = is_open or (lambda: True)
+
+    def write(self, copy: Callable[[], None]) -> bool:
+        """Run ``copy`` unless closed; whether it ran."""
+        with self._lock:
+            if self._closed or not self._is_open():
+                return False
+            copy()
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
 @dataclass
 class _Fetched:
-    """Blocks fetched into staging for one request, waiting to be scattered. Filled on the
-    loader thread; recorded (stats, failure ledger) only by the thread that waited for it."""
+    """Blocks of one request fetched through staging, verified and scattered into the KV cache.
+    Filled on the loader thread; recorded (stats, failure ledger) only by the thread that waited
+    for it."""
 
     transfer: BlockTransfer
-    good: int  # blocks [0, good) verified in staging rows [row, row + good)
+    good: int  # blocks [0, good) verified (staging rows [row, row + good)) and in the KV cache
     row: int
     why: str = ""  # why block ``good`` is not usable ("" when all are)
     seconds: float = 0.0
@@ -100,10 +129,11 @@ class StoreLoader:
         return len(self._async_loads)
 
     # ---- fetch and verify -----------------------------------------------------------------
-    def _fetch_into(self, plan_loads: Sequence[BlockTransfer], staging: Staging) -> list[_Fetched]:
-        """Fetch and verify values into staging rows (may run on the loader thread: records
-        nothing, see ``_record_fetched``). Requests beyond the staging capacity are fetched in
-        later rounds by the caller."""
+    def _fetch_into(self, plan_loads: Sequence[BlockTransfer], staging: Staging, gate: KVWriteGate) -> list[_Fetched]:
+        """Fetch values into staging rows, verify them and scatter the intact ones into the KV
+        cache through ``gate``, a pass at a time (may run on the loader thread: records nothing,
+        see ``_record_fetched``). Requests beyond the staging capacity are fetched in later rounds
+        by the caller."""
         assert self._cache is not None
         view = self._cache.view
         out: list[_Fetched] = []
@@ -112,9 +142,14 @@ class StoreLoader:
             n = len(transfer.block_hashes)
             keys = self._store.keys(transfer.block_hashes)
             values = staging.values(n, row)
+
+            def scatter(lo: int, hi: int, transfer: BlockTransfer = transfer, row: int = row) -> bool:
+                return gate.write(lambda: view.scatter(staging, transfer, row, lo, hi))
+
             good, why, seconds = self._fetch_checked(
                 transfer, keys, values, self._store.backend.batch_get_into,
                 lambda value, nbytes, key: self._store.seal.check(value, view.payload_size, nbytes, key),
+                scatter,
             )
             out.append(_Fetched(transfer, good, row, why, seconds))
             row += n
@@ -122,11 +157,14 @@ class StoreLoader:
 
     def _fetch_checked(self, transfer: BlockTransfer, keys: list[str], values: list[Any],
                        get: Callable[[list[str], list[Any]], Sequence[int]],
-                       check: Callable[[Any, int, str], str | None]) -> tuple[int, str, float]:
+                       check: Callable[[Any, int, str], str | None],
+                       landed: Callable[[int, int], bool] | None = None) -> tuple[int, str, float]:
         """Fetch ``values`` in passes of the backend's size and check each pass as soon as it
         landed (while the next one is fetched): (leading intact blocks, why the next is not,
         seconds in the get). Stops at the first bad block: the blocks after it are recomputed
-        anyway; returns only once no get is in flight. A get that raises is a miss (a dead store)."""
+        anyway; returns only once no get is in flight. A get that raises is a miss (a dead store).
+        ``landed(lo, hi)``: blocks ``lo:hi`` of a pass are intact (they count only if it returns
+        True: the staging path's scatter, refused once the load is given up)."""
         assert self._cache is not None
         passes = spans(len(keys), blocks_per_call(self._cache.view.value_size, self._store.backend.pass_bytes,
                                                   len(keys)))
@@ -144,16 +182,23 @@ class StoreLoader:
                 state.seconds += time.perf_counter() - t0
 
         def finish(k: int, results: Sequence[int]) -> bool:
-            for i, nbytes in enumerate(results, passes[k][0]):
+            start = passes[k][0]
+            intact = True
+            for i, nbytes in enumerate(results, start):
                 if nbytes < 0:
                     state.why = "miss"
-                    return False
+                    intact = False
+                    break
                 problem = check(values[i], nbytes, keys[i])  # sealed for this very key
                 if problem is not None:
                     state.why = f"corrupt ({problem})"
-                    return False
+                    intact = False
+                    break
                 state.good += 1
-            return True
+            if landed is not None and state.good > start and not landed(start, state.good):
+                state.good, state.why = start, "given up"
+                return False
+            return intact
 
         gets_overlapped(self._io, len(passes), call, finish)
         return state.good, state.why, state.seconds
@@ -212,16 +257,19 @@ class StoreLoader:
     def _fetch_bounded(
         self, loads: Sequence[BlockTransfer], staging: Staging, deadline: float | None
     ) -> list[_Fetched] | None:
-        """``_fetch_into`` within ``deadline``; None when it missed it (or a late one still runs)."""
+        """``_fetch_into`` within ``deadline``; None when it missed it (or a late one still runs):
+        its blocks are then recomputed, and what it fetches late never reaches them."""
         if self.busy():
             self._store.stats.incr("loads_skipped_backend_stalled")
             return None
+        gate = KVWriteGate()
         if deadline is None:
-            return self._fetch_into(loads, staging)
-        future = self._executor.submit(self._fetch_into, list(loads), staging)
+            return self._fetch_into(loads, staging, gate)
+        future = self._executor.submit(self._fetch_into, list(loads), staging, gate)
         try:
             return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
+            gate.close()  # from here on the late fetch writes only into staging
             self._late_fetch = future
             self._store.stats.incr("load_timeouts")
             logger.warning("store load not done within %.1fs: its blocks are recomputed", self.config.load_timeout_s)
@@ -316,9 +364,8 @@ class StoreLoader:
             if fetched is None:
                 self._fail_all([p for r in rounds[k:] for p in r], failed, "timeout")
                 return
-            self._record_fetched(fetched)
+            self._record_fetched(fetched)  # its intact blocks are in the KV cache already
             for f in fetched:
-                view.scatter(staging, f.transfer, f.row, f.good)
                 if f.good < len(f.transfer.block_hashes):
                     failed.add(f.transfer.request_id)
 
@@ -354,16 +401,16 @@ class StoreLoader:
         if job.zero_copy and trailers is not None:
             self._run_async_parts(job, view, trailers)
             return
+        # a give-up waits for a running scatter (memory speed), never for a get
+        gate = KVWriteGate(self._async_lock, lambda: not job.given_up)
         for part in self._rounds([job.transfer], staging.slots):
             with self._async_lock:
                 if job.given_up:
                     return
-            fetched = self._fetch_into(part, staging)
-            with self._async_lock:  # a give-up waits for this scatter (memory speed), never a get
+            fetched = self._fetch_into(part, staging, gate)
+            with self._async_lock:
                 if job.given_up:
                     return
-                for f in fetched:
-                    view.scatter(staging, f.transfer, f.row, f.good)
                 job.fetched.extend(fetched)
             if any(f.good < len(f.transfer.block_hashes) for f in fetched):
                 return  # later blocks of the request are not valid after a bad one
