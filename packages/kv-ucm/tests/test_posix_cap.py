@@ -63,3 +63,22 @@ def test_default_capacity_and_bad_capacity(tmp_path):
     assert 0 < default_posix_capacity([tmp_path]) <= 16 << 30
     with pytest.raises(ValueError):
         PosixDiskCap([tmp_path], 0)
+
+
+def test_a_block_is_touched_at_most_once_per_touch_interval(tmp_path, monkeypatch):
+    """Each touch is a system call on every load hit: a block read again within ``touch_every_s``
+    keeps the mtime of its last touch; after it, it is touched again."""
+    ids = [write_block(tmp_path, i) for i in range(3)]
+    now = [100.0]
+    cap = PosixDiskCap([tmp_path], 1 << 30, touch_every_s=10.0, clock=lambda: now[0])
+    touched: list[str] = []
+    real_utime = os.utime
+    monkeypatch.setattr(os, "utime", lambda path, *a: (touched.append(os.path.basename(path)), real_utime(path, *a)))
+    cap.touch(ids[:2])
+    now[0] += 5.0
+    cap.touch(ids)  # 0 and 1 within the interval: only 2
+    assert touched == [ids[0].hex(), ids[1].hex(), ids[2].hex()]
+    now[0] += 5.0
+    cap.touch([ids[0]])  # 10 s after its last touch: touched again
+    assert touched[-1] == ids[0].hex() and len(touched) == 4
+    assert os.stat(tmp_path / ids[0].hex()[:3] / ids[0].hex()).st_mtime > 1_000_010

@@ -206,3 +206,25 @@ def test_ucm_values_are_announced_as_storage_in_kv_events():
     from kv_ucm.ucm_backend import UcmBackend
 
     assert UcmBackend.kv_event_medium == MEDIUM_STORAGE == "STORAGE"
+
+
+def test_buffer_addresses_are_the_bytes_ucm_reads_and_writes():
+    """The address handed to UCM for each buffer kind (writable ones through ctypes, read-only ones
+    through numpy) is the first byte of that buffer; a read-only buffer is refused for a load."""
+    import ctypes
+
+    import numpy as np
+    from kv_ucm.ucm_store import _address_and_size
+
+    backing = bytearray(range(256)) * 4
+    keep: list = []
+    whole = memoryview(backing)
+    for buf in (whole[100:164], whole.cast("I")[8:24], bytes(backing[:64]), np.arange(16, dtype=np.float32)):
+        writable = not memoryview(buf).readonly
+        addr, size = _address_and_size(buf, writable, keep)
+        assert size == memoryview(buf).nbytes
+        assert ctypes.string_at(addr, size) == memoryview(buf).tobytes()
+    with pytest.raises(ValueError, match="writable"):
+        _address_and_size(b"read only", True, keep)
+    with pytest.raises(ValueError, match="contiguous"):
+        _address_and_size(whole[::2], False, keep)

@@ -18,6 +18,7 @@ On a CPU host only the ``Posix`` pipeline (local disk / NFS) moves data; the dev
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import re
 from collections.abc import Mapping, Sequence
@@ -157,14 +158,20 @@ def _address_and_size(buf: Any, writable: bool, keep: list[Any]) -> tuple[int, i
         from kv_common import device  # every tensor address goes through the device shim
 
         return device.data_ptr(buf), device.nbytes(buf)
-    import numpy as np  # UCM needs numpy anyway
-
     view = memoryview(buf)
     if writable and view.readonly:
         raise ValueError("load needs writable buffers")
     if not view.c_contiguous:
         raise ValueError("buffers must be C-contiguous")
-    arr = np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view, np.uint8)
+    flat = view if view.ndim == 1 and view.format == "B" else view.cast("B")
+    if not flat.readonly and flat.nbytes:
+        # ctypes takes a writable buffer's address in ~0.3 us, numpy in ~1.6 (once per block)
+        char = ctypes.c_char.from_buffer(flat)
+        keep.append(char)
+        return ctypes.addressof(char), flat.nbytes
+    import numpy as np  # UCM needs numpy anyway
+
+    arr = np.frombuffer(flat, np.uint8)
     keep.append(arr)
     return int(arr.ctypes.data), int(arr.nbytes)
 
