@@ -6,7 +6,7 @@ UCM's native ``dump_data`` / ``load_data`` + ``wait`` of the same bytes from one
 Posix store in a fresh directory per size (files land in the page cache: this measures the
 software path, not the disk). The worker column includes everything it does: key building, the
 lookup before a dump (UCM would overwrite), gather / scatter through the staging buffer (UCM has
-no multi-buffer value per key in this layout) and the crc32 put / verify.
+no multi-buffer value per key in this layout) and the xxh3 value check on put and get.
 
 Needs Python 3.12 with UCM (``nox -s bench-ucm-3.12``); elsewhere the section says why it did not
 run. Run alone: ``python -m benchmarks.bench_ucm_store [--quick]``.
