@@ -140,21 +140,14 @@ class KVBlockView:
     def gather(self, staging: Staging, transfer: BlockTransfer, lo: int, hi: int, row: int = 0) -> None:
         """Blocks ``lo:hi`` of ``transfer`` into staging rows ``row:row+hi-lo``; the rows are ready
         to read when this returns (a device copy is waited for)."""
-        view, vs = staging.view, staging.value_size
         events = []
         for layer in self.layers:
-            ids = transfer.block_ids[layer.group]
-            rows = staging.rows[row : row + hi - lo, layer.offset : layer.offset + layer.nbytes]
+            ids = transfer.block_ids[layer.group][lo:hi]
             if not self.host_kv:
-                events.append(device.gather_rows(rows, layer.blocks, list(ids[lo:hi])))
+                rows = staging.rows[row : row + hi - lo, layer.offset : layer.offset + layer.nbytes]
+                events.append(device.gather_rows(rows, layer.blocks, list(ids)))
                 continue
-            for pos, first, count in id_runs(ids[lo:hi]):
-                if count >= MIN_RUN_BLOCKS:
-                    rows[pos : pos + count].copy_(layer.blocks[first : first + count])
-                    continue
-                for j in range(pos, pos + count):
-                    start = (row + j) * vs + layer.offset
-                    view[start : start + layer.nbytes] = layer.block(first + j - pos)
+            _host_copies(layer, ids, staging, row, into_kv=False)
         for event in events:
             device.wait_event(event)
 
@@ -164,20 +157,27 @@ class KVBlockView:
         if hi <= lo:
             return
         for layer in self.layers:
-            self._scatter_layer(layer, staging, transfer, row, lo, hi)
-
-    def _scatter_layer(self, layer: KVLayer, staging: Staging, transfer: BlockTransfer, row: int,
-                       lo: int, hi: int) -> None:
-        ids = transfer.block_ids[layer.group]
-        rows = staging.rows[row + lo : row + hi, layer.offset : layer.offset + layer.nbytes]
-        if not self.host_kv:
-            device.wait_event(device.scatter_rows(layer.blocks, list(ids[lo:hi]), rows))
-            return
-        view, vs = staging.view, staging.value_size
-        for pos, first, count in id_runs(ids[lo:hi]):
-            if count >= MIN_RUN_BLOCKS:
-                layer.blocks[first : first + count].copy_(rows[pos : pos + count])
+            ids = transfer.block_ids[layer.group][lo:hi]
+            if not self.host_kv:
+                rows = staging.rows[row + lo : row + hi, layer.offset : layer.offset + layer.nbytes]
+                device.wait_event(device.scatter_rows(layer.blocks, list(ids), rows))
                 continue
-            for j in range(lo + pos, lo + pos + count):
-                start = (row + j) * vs + layer.offset
-                layer.block(first + j - lo - pos)[:] = view[start : start + layer.nbytes]
+            _host_copies(layer, ids, staging, row + lo, into_kv=True)
+
+
+def _host_copies(layer: KVLayer, ids: Sequence[int], staging: Staging, row: int, *, into_kv: bool) -> None:
+    """Host KV: block ``ids[k]`` of ``layer`` to (``into_kv`` False) or from staging row ``row + k``;
+    a run of ``MIN_RUN_BLOCKS`` consecutive ids or more as one torch copy, the others a block at a time."""
+    rows = staging.rows[row : row + len(ids), layer.offset : layer.offset + layer.nbytes]
+    view, vs = staging.view, staging.value_size
+    for pos, first, count in id_runs(ids):
+        if count >= MIN_RUN_BLOCKS:
+            kv, staged = layer.blocks[first : first + count], rows[pos : pos + count]
+            (kv if into_kv else staged).copy_(staged if into_kv else kv)
+            continue
+        for k in range(count):
+            start = (row + pos + k) * vs + layer.offset
+            if into_kv:
+                layer.block(first + k)[:] = view[start : start + layer.nbytes]
+            else:
+                view[start : start + layer.nbytes] = layer.block(first + k)

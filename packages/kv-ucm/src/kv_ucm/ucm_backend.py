@@ -34,14 +34,6 @@ from kv_ucm.ucm_store import UcmError, UcmStore
 logger = get_logger(__name__)
 
 _LOG_EVERY_S = 30.0
-# Bytes per dump / load task: None, the whole request (as far as the staging rows reach) in one
-# task. A UCM task costs ~0.2-0.3 ms beyond its bytes (submit, its I/O threads' hand-offs, wait);
-# 32 MiB from the page cache in tasks of 1 / 4 / 8 / 16 / 32 MiB: 3.4 / 4.8-5.7 / 5.2-7.0 / 6.4-7.5
-# / 6.6-7.5 GB/s. Passes would let the store core check and scatter pass k while UCM loads pass
-# k + 1, but UCM's I/O threads and that work then share the same cores: measured on 2 cores, 64 MiB
-# loads of 128 KiB - 2 MiB values reached 0.29-0.35 of UCM's native load in 16 MiB passes and
-# 0.32-0.44 in one task (two runs each, bench_ucm_store).
-UCM_PASS_BYTES = None
 
 
 def _byte_view(buffer: Any) -> memoryview:
@@ -64,7 +56,14 @@ def _posix_backend_dirs(config: Mapping[str, Any]) -> list[str]:
 class UcmBackend(Backend):
     name = "ucm"
     kv_event_medium = MEDIUM_STORAGE  # UCM's Posix store: local disk or NFS
-    pass_bytes: int | None = UCM_PASS_BYTES
+    # Bytes per dump / load task: None, the whole request (as far as the staging rows reach) in one
+    # task. A UCM task costs ~0.2-0.3 ms beyond its bytes (submit, its I/O threads' hand-offs, wait);
+    # 32 MiB from the page cache in tasks of 1 / 4 / 8 / 16 / 32 MiB: 3.4 / 4.8-5.7 / 5.2-7.0 / 6.4-7.5
+    # / 6.6-7.5 GB/s. Passes would let the store core check and scatter pass k while UCM loads pass
+    # k + 1, but UCM's I/O threads and that work then share the same cores: measured on 2 cores, 64 MiB
+    # loads of 128 KiB - 2 MiB values reached 0.29-0.35 of UCM's native load in 16 MiB passes and
+    # 0.32-0.44 in one task (two runs each, bench_ucm_store).
+    pass_bytes = None
 
     def __init__(
         self,

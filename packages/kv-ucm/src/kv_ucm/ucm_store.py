@@ -285,7 +285,10 @@ class UcmStore:
         return ids
 
     def lookup(self, block_ids: Sequence[bytes]) -> list[bool]:
-        ids = self._check_ids(block_ids)
+        return self._lookup(self._check_ids(block_ids))
+
+    def _lookup(self, ids: list[bytes]) -> list[bool]:
+        """``lookup`` of ids already checked (``_check_ids``)."""
         if not ids:
             return []
         try:
@@ -388,7 +391,7 @@ class UcmStore:
         ids = self._check_ids(block_ids)
         keep: list[Any] = []
         rows = self._addresses(ids, buffers, writable=True, keep=keep)
-        present = self.lookup(ids)
+        present = self._lookup(ids)
         todo = [i for i, p in enumerate(present) if p]
         loaded = self._per_block("load", [ids[i] for i in todo], [rows[i] for i in todo], shard)
         results = [False] * len(ids)
