@@ -77,17 +77,37 @@ class Pong(msgspec.Struct, tag=True):
 @pytest.mark.skipif(sys.platform != "linux", reason="receive stamps: Linux only (elsewhere: read time)")
 def test_a_reply_read_late_is_dated_when_it_arrived():
     """A pull thread gets to its lease's Ack late under load (a status call, the GIL): the reply is
-    dated by the kernel's receive stamp, not by the reading."""
+    dated by the kernel's receive stamp, not by the reading.
+
+    A reply may come without a stamp (the kernel turns stamping on for the first stamped socket
+    from a work queue, late on a loaded machine) or with the clocks' offset moved: then it is dated
+    when it was read, the fail-closed fallback. CI once saw one such reply among three (three test
+    sessions on two cores), so each kind of connection gets a few tries: every stamped one must be
+    dated by its stamp, every other one when it was read, and most must be stamped."""
+    dated_by_stamp = 0
+    tries = 0
     with SideChannelServer("127.0.0.1", 0, lambda _m: Pong(), (Ping,)) as server:
         client = SideChannelClient((Pong,))
         try:
-            for _ in range(3):  # a new connection, then kept ones
-                pending = client.start(server.address, Ping())
-                time.sleep(0.2)  # the reply comes in well under a millisecond, and waits
-                assert pending.wait(5.0) == Pong()
-                read_at = time.monotonic()
-                assert pending.sent_at <= pending.arrived_at < pending.sent_at + 0.1, \
-                    (pending.arrived_at - pending.sent_at, read_at - pending.sent_at)
+            for _ in range(2):  # a new connection each time, then kept ones
+                client.close()
+                client = SideChannelClient((Pong,))
+                for _ in range(3):
+                    pending = client.start(server.address, Ping())
+                    link = pending.link
+                    time.sleep(0.2)  # the reply comes in well under a millisecond, and waits
+                    assert pending.wait(5.0) == Pong()
+                    read_at = time.monotonic()
+                    drift = abs(receive_stamp.wall_offset_ns() - pending.offset_at_send_ns)
+                    stamped = link is not None and link.received_ns != 0 and drift <= MAX_OFFSET_DRIFT_NS
+                    tries += 1
+                    if stamped:
+                        dated_by_stamp += 1
+                        assert pending.sent_at <= pending.arrived_at < pending.sent_at + 0.1, \
+                            (pending.arrived_at - pending.sent_at, read_at - pending.sent_at)
+                    else:
+                        assert pending.arrived_at >= pending.sent_at + 0.2, "no stamp: dated when read"
         finally:
             client.close()
+    assert dated_by_stamp > tries // 2, f"{dated_by_stamp} of {tries} replies had a usable stamp"
     assert receive_stamp.SO_TIMESTAMPNS is not None
