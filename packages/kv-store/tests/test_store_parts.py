@@ -131,3 +131,47 @@ def test_registration_failure_falls_back_to_staging():
     worker.load_sync(StorePlan(loads=[BlockTransfer(request_id="b", block_hashes=hs, block_ids=[[5, 6]])]))
     assert worker.ledger.take_block_ids_with_load_errors() == set()
     assert torch.equal(caches["layer0"][5:7], caches["layer0"][1:3])
+
+
+@pytest.mark.parametrize("seal", [dict(checksum=True), dict(checksum=False), dict(mac_key_env="KV_TEST_MAC")],
+                         ids=["xxh3", "no checksum", "mac"])
+def test_owned_puts_store_the_staging_paths_values_uncopied_and_read_only(seal, monkeypatch):
+    """kv-store's embedded backend keeps the value the saver joined and sealed (no second copy):
+    the same bytes as the staging path's, loaded back intact, never writable through a get, and
+    a stored value changed afterwards is a load error, not KV."""
+    from kv_store.embedded import EmbeddedStoreBackend
+
+    monkeypatch.setenv("KV_TEST_MAC", "a deployment secret of 32 bytes!")
+    owned, plain = EmbeddedStoreBackend(64 << 20), EmbeddedBackend(64 << 20)
+    wo, co = make_worker(owned, **seal)
+    ws, _ = make_worker(plain, **seal)
+    assert wo.zero_copy and not ws.zero_copy
+    hs = hashes(10)  # more blocks than staging slots: several passes
+    save(wo, hs, list(range(10)))
+    save(ws, hs, list(range(10)))
+    keys = wo.keys(hs)
+    assert all(type(owned._memory[k]) is bytearray for k in keys)  # kept as the saver built it
+    got = owned.batch_get(keys)
+    assert got == plain.batch_get(keys)
+    assert all(isinstance(v, memoryview) and v.readonly for v in got)
+    load = StorePlan(loads=[BlockTransfer(request_id="b", block_hashes=hs, block_ids=[list(range(6, 16))])])
+    fresh, caches = make_worker(owned, seed=1, **seal)
+    fresh.load_sync(load)
+    assert fresh.ledger.take_block_ids_with_load_errors() == set()
+    for name in caches:
+        assert torch.equal(caches[name][6:16], co[name][0:10])
+    owned._memory[keys[4]][3] ^= 0xFF  # the store's own copy changes after the put
+    fresh.load_sync(load)
+    damaged = set(range(10, 16)) if seal.get("checksum", True) else set()
+    assert fresh.ledger.take_block_ids_with_load_errors() == damaged
+
+
+def test_a_backend_overriding_batch_put_does_not_inherit_owned_puts():
+    from kv_store.embedded import EmbeddedStoreBackend
+
+    class Gated(EmbeddedStoreBackend):
+        def batch_put(self, keys, values):
+            return super().batch_put(keys, values)
+
+    assert callable(EmbeddedStoreBackend(1 << 20).batch_put_owned)
+    assert Gated(1 << 20).batch_put_owned is None

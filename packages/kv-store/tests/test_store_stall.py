@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 from kv_common.backend import scatter_into_parts
 from kv_common.embedded_backend import EmbeddedBackend
 from kv_store.config import StoreConnectorConfig
+from kv_store.embedded import EmbeddedStoreBackend
 from kv_store.metadata import BlockTransfer, StorePlan
 from kv_store.scheduler import StoreScheduler
 from kv_store.worker import StoreWorker
@@ -82,7 +83,16 @@ class BlockingPartsBackend(BlockingBackend):
         return [scatter_into_parts(v, bufs) for v, bufs in zip(super().batch_get(keys), parts, strict=True)]
 
 
-@pytest.fixture(params=[BlockingBackend, BlockingPartsBackend], ids=["staging", "parts"])
+class BlockingOwnedBackend(BlockingPartsBackend):
+    """With kv-store's embedded backend's owned puts too: the saver joins and seals each value, the
+    store keeps it (the path the embedded store takes)."""
+
+    def batch_put_owned(self, keys, values):
+        self._gate("put")
+        return EmbeddedStoreBackend.batch_put_owned(self, keys, values)
+
+
+@pytest.fixture(params=[BlockingBackend, BlockingPartsBackend, BlockingOwnedBackend], ids=["staging", "parts", "owned"])
 def backend(request):
     b = request.param(16 << 20)
     yield b

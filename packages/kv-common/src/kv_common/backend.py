@@ -95,8 +95,9 @@ class Backend(ABC):
         """Copy each value into its writable buffer. Per key: bytes written, or -1 when missing,
         truncated, corrupt or of a different size than the buffer."""
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values as bytes (None when missing). Backends with a faster path override this."""
+    def batch_get(self, keys: Sequence[str]) -> Sequence[bytes | memoryview | None]:
+        """Values as bytes or read-only views (None when missing). Backends with a faster path
+        override this."""
         raise NotImplementedError(f"{self.name} supports only batch_get_into")
 
     def batch_remove(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional

@@ -92,6 +92,11 @@ def key_filename(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest() + _SUFFIX
 
 
+def _read_only(value: bytes | bytearray | None) -> bytes | memoryview | None:
+    """A stored value as callers may see it: a handed-over bytearray only through a read-only view."""
+    return memoryview(value).toreadonly() if isinstance(value, bytearray) else value
+
+
 def _as_bytes_view(buffer: memoryview | bytes | bytearray) -> memoryview:
     view = memoryview(buffer)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -120,7 +125,9 @@ class EmbeddedBackend(Backend):
             spill_capacity_bytes = default_spill_capacity(self.spill_dir)
         self.spill_capacity_bytes = spill_capacity_bytes or None  # 0: no cap
         self._lock = threading.RLock()
-        self._memory: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
+        # Least recently used first. A bytearray is a value a subclass took over without a copy
+        # (``_put(owned=True)``): read-only to everyone else (``batch_get`` returns a view of it).
+        self._memory: OrderedDict[str, bytes | bytearray] = OrderedDict()
         self._memory_bytes = 0
         self._counts = {
             "hits": 0,
@@ -166,9 +173,9 @@ class EmbeddedBackend(Backend):
             ]
         return results
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+    def batch_get(self, keys: Sequence[str]) -> Sequence[bytes | memoryview | None]:
         with self._lock:
-            return [self._get(key) for key in keys]
+            return [_read_only(self._get(key)) for key in keys]
 
     def batch_remove(self, keys: Sequence[str]) -> None:
         with self._lock:
@@ -194,13 +201,14 @@ class EmbeddedBackend(Backend):
 
     # -- memory -----------------------------------------------------------------------------
 
-    def _put(self, key: str, value: memoryview | bytes) -> bool:
+    def _put(self, key: str, value: memoryview | bytes | bytearray, owned: bool = False) -> bool:
         if key in self._memory:
             self._memory.move_to_end(key)
             return True
         if self._file_exists(key):
             return True
-        data = bytes(value)  # copy: the caller reuses its buffer
+        # copy unless handed over: the caller reuses its buffer
+        data = value if owned and isinstance(value, bytearray) else bytes(value)
         if self.write_through and not self._write_file(key, data):
             return False
         if len(data) > self.capacity_bytes:
@@ -219,7 +227,7 @@ class EmbeddedBackend(Backend):
             if self.spill_dir is not None and not self.write_through and self._write_file(key, data):
                 self._counts["spills"] += 1
 
-    def _get(self, key: str) -> bytes | None:
+    def _get(self, key: str) -> bytes | bytearray | None:
         data = self._memory.get(key)
         if data is not None:
             self._memory.move_to_end(key)
@@ -252,7 +260,7 @@ class EmbeddedBackend(Backend):
     def _file_exists(self, key: str) -> bool:
         return self.spill_dir is not None and self._path(key).is_file()
 
-    def _write_file(self, key: str, data: bytes) -> bool:
+    def _write_file(self, key: str, data: bytes | bytearray) -> bool:
         path = self._path(key)
         # Unique per process and thread, so concurrent writers of one key never share a temp file.
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

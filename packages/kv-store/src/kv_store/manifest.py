@@ -196,7 +196,7 @@ def layout_settings(
 # ---- the check ---------------------------------------------------------------------------------
 
 
-def _read(backend: Backend, key: str, value_size: int) -> tuple[bool, bytes | None]:
+def _read(backend: Backend, key: str, value_size: int) -> tuple[bool, bytes | memoryview | None]:
     """(present, value). ``value`` None with present True: stored, but not readable at our size."""
     (exists,) = backend.batch_exists([key])
     if not exists:
@@ -210,7 +210,7 @@ def _read(backend: Backend, key: str, value_size: int) -> tuple[bool, bytes | No
     return True, value
 
 
-def _compare(value: bytes | None, mine: Manifest, where: str, value_size: int) -> None:
+def _compare(value: bytes | memoryview | None, mine: Manifest, where: str, value_size: int) -> None:
     if value is None:
         raise ManifestMismatch(
             f"{where} holds a manifest that this engine cannot read as a {value_size}-byte value: the "
@@ -237,7 +237,7 @@ _READ_BACK_PAUSE_S = 0.1
 
 def _read_settled(
     backend: Backend, key: str, value_size: int, sleep: Callable[[float], None], *, want_present: bool
-) -> tuple[bool, bytes | None]:
+) -> tuple[bool, bytes | memoryview | None]:
     """``_read``, again for a while when the answer may be a put still under way: Mooncake lists a
     key as soon as a writer starts its put, and a get returns nothing until the copy is done (two
     engines of one layout starting together). A key that stays listed but unreadable is a value of

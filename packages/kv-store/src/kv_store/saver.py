@@ -25,14 +25,18 @@ from typing import Any
 from kv_common import device
 from kv_common.logging_utils import get_logger
 
+from kv_store.codec import TRAILER_SIZE
 from kv_store.config import StoreConnectorConfig
 from kv_store.kv_view import KVBlockView
 from kv_store.metadata import BlockTransfer, StorePlan
-from kv_store.passes import double_buffered, io_executor, puts_overlapped
+from kv_store.passes import blocks_per_call, double_buffered, io_executor, puts_overlapped, spans
 from kv_store.staging import CacheBuffers, TrailerArea
 from kv_store.store_access import StoreAccess
 
 logger = get_logger(__name__)
+
+# Where a joined value's trailer goes until its seal is written over it.
+_TRAILER_ROOM = memoryview(bytes(TRAILER_SIZE))
 
 
 @dataclass
@@ -124,6 +128,9 @@ class StoreSaver:
         # No exists round trip first: a put of a key already stored is a success that keeps the
         # value (the Backend contract), and the scheduler asks for saves only past its hit.
         keys = self._store.keys(transfer.block_hashes)
+        if trailers is not None and callable(getattr(self._store.backend, "batch_put_owned", None)):
+            self._save_joined(view, transfer, keys)
+            return
         if trailers is not None and self._parts_saves_safe():
             self._save_parts(view, transfer, keys, trailers)
             return
@@ -144,6 +151,29 @@ class StoreSaver:
             return values
 
         self._put_passes(view, transfer, keys, passes, half, prepare, self._store.backend.batch_put)
+
+    def _save_joined(self, view: KVBlockView, transfer: BlockTransfer, keys: Sequence[str]) -> None:
+        """A backend that keeps its own copy of each value (the embedded store) is handed that copy:
+        each block's slices joined into a new value under the gather lock (as a staging gather),
+        then sealed while it is still in cache. Sealing the KV slices first and joining them after
+        read the KV twice: measured 11-13 ms against 8.6 ms per 64 MiB of 128 KiB values."""
+        per = blocks_per_call(view.value_size, self._store.backend.pass_bytes, len(keys))
+
+        def prepare(k: int) -> list[bytearray] | None:
+            lo, hi = passes[k]
+            values = []
+            with self._gather_lock:
+                if transfer.request_id in self._released:
+                    return None
+                for i in range(lo, hi):
+                    value = bytearray().join(view.block_parts(transfer, i, _TRAILER_ROOM))
+                    self._store.seal.write(memoryview(value), view.payload_size, keys[i])
+                    values.append(value)
+            return values
+
+        passes = spans(len(keys), per)
+        put = self._store.backend.batch_put_owned  # type: ignore[attr-defined]
+        self._put_passes(view, transfer, keys, passes, 0, prepare, put)
 
     def _save_parts(self, view: KVBlockView, transfer: BlockTransfer, keys: Sequence[str],
                     trailers: TrailerArea) -> None:
