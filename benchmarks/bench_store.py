@@ -384,17 +384,22 @@ def why_claim(results: dict, backends: list[str], sizes: list[int], c: dict[str,
     plus the xxh3 check (``bench_integrity_cost.one_core_ceilings``) and the ratios without it."""
     if c is None:
         return Claim("one-core ceiling not measured: xxhash missing")
-    nc = {d: [results[(b, s)][2][f"{d}_conn"] / results[(b, s)][2][f"{d}_raw"] for b in backends for s in sizes
-              if (b, s) in results] for d in ("put", "get")}
+    def no_check(direction: str, names: list[str]) -> str:
+        r = [results[(b, s)][2][f"{direction}_conn"] / results[(b, s)][2][f"{direction}_raw"]
+             for b in names for s in sizes if (b, s) in results]
+        return f"{min(r):.2f}-{max(r):.2f}" if r else "not measured"
+
+    others = [b for b in backends if b != "embedded"]
     return Claim(
         "why short of 0.9: the worker does the raw backend's copy plus the xxh3 check; on one core, on this "
         f"machine, in this run, that alone caps a put and a zero-copy load at {c['put']:.2f} of a plain copy, "
         f"and a load through staging at {c['get_staged']:.2f} (`{MOONCAKE_OWN}`: calls that may outlast "
         "load_timeout_s, so a late copy must land in staging, never in the KV cache, and a second copy scatters "
         "it; kv-store's default Mooncake timeouts keep its loads zero-copy); "
-        f"without the check the connector measured get {min(nc['get']):.2f}-{max(nc['get']):.2f} of raw (zero-copy "
-        "loads, no deadline: per-call and plan overhead only) and put "
-        f"{min(nc['put']):.2f}-{max(nc['put']):.2f} (through staging, a gather copy more: without a check a "
+        f"without the check the connector measured get {no_check('get', backends)} of raw (zero-copy "
+        "loads, no deadline: per-call and plan overhead only); put, embedded "
+        f"{no_check('put', ['embedded'])} (the saver joins each block into the value the store keeps, as with the "
+        f"check), the others {no_check('put', others)} (through staging, a gather copy more: without a check a "
         "zero-copy put given up at save_timeout_s could store bytes of blocks vLLM gave to another request, "
         "and nothing would catch it). The embedded store copies under the GIL, so its calls run on the caller's thread; "
         "beyond its ceiling the check would need another core, which on this shared 2-core VM is rarely free"
