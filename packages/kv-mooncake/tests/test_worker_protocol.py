@@ -33,12 +33,22 @@ def prefill():
     w.close()
 
 
+@pytest.fixture
+def patient_prefill():
+    """A prefill whose holds outlast any pause of a loaded machine, for tests not about expiry
+    (with ``prefill``'s 0.5 s, CI once saw a hold expire between two messages)."""
+    w = _prefill_worker(MooncakeConfig(hold_timeout_s=60.0, lease_s=30.0))
+    yield w
+    w.close()
+
+
 def _finished(w: MooncakeWorker) -> set[str]:
     sending, _ = w.get_finished()
     return sending or set()
 
 
-def test_freed_once_after_all_expected_dones(prefill):
+def test_freed_once_after_all_expected_dones(patient_prefill):
+    prefill = patient_prefill
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=3, block_ids=list(range(3)))]))
     assert prefill.leak_report()["held_blocks"] == 3
     assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=2, block_ids=[0])), P.Ack)
@@ -121,7 +131,8 @@ def test_malformed_and_oversized_messages_are_refused(prefill):
     assert query_leaks(prefill.server.address)["held_blocks"] == 0
 
 
-def test_reader_may_only_read_the_requests_own_blocks(prefill):
+def test_reader_may_only_read_the_requests_own_blocks(patient_prefill):
+    prefill = patient_prefill
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[2, 3]),
                                            HoldRequest(request_id="s", num_blocks=1, block_ids=[1])]))
     for bad_ids in ([1], [2, 3, 0], []):  # another request's block, one too many, undeclared
