@@ -84,15 +84,19 @@ def test_free_now_and_expiry(prefill):
     assert prefill.stats.to_dict()["counters"]["expired_holds"] == 1
 
 
-def test_lease_keeps_blocks_past_the_hold(prefill):
+def test_lease_keeps_blocks_past_the_hold():
+    # A lease 1.5 s long renewed every 0.3 s: a loaded machine may pause the test 1.2 s between two
+    # renewals (0.1 s of slack, as this test had with a 0.3 s lease, is one scheduler hiccup).
+    prefill = _prefill_worker(MooncakeConfig(hold_timeout_s=0.5, lease_s=1.5))
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=list(range(1)))]))
     assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=1, block_ids=[0])), P.Ack)
-    for _ in range(4):  # 0.8 s > hold_timeout_s, renewed every 0.2 s
-        time.sleep(0.2)
+    for _ in range(3):  # 0.9 s > hold_timeout_s, renewed every 0.3 s
+        time.sleep(0.3)
         assert isinstance(prefill.handle(P.LeaseRenew(request_id="r", reader_id="a")), P.Ack)
         assert _finished(prefill) == set()
     prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True))
     assert _finished(prefill) == {"r"}
+    prefill.close()
 
 
 def _compat(**changes) -> P.Compatibility:
@@ -223,9 +227,10 @@ def test_decode_request_aborted_before_scheduling_still_frees_the_prefill(prefil
         decode.close()
 
 
-def test_first_readers_done_does_not_free_under_a_second_readers_lease(prefill):
+def test_first_readers_done_does_not_free_under_a_second_readers_lease(patient_prefill):
     """Issue 23 §4: a proxy retried the decode (or the client re-sent the request): two decodes read
     one hold that expects one reader. The first DONE must not free the blocks the second still reads."""
+    prefill = patient_prefill
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[0, 1])]))
     for reader in ("first", "retry"):
         started = prefill.handle(P.PullStarted(request_id="r", reader_id=reader, expected_readers=1, block_ids=[0, 1]))
