@@ -87,11 +87,9 @@ def test_a_reply_read_late_is_dated_when_it_arrived():
     dated_by_stamp = 0
     tries = 0
     with SideChannelServer("127.0.0.1", 0, lambda _m: Pong(), (Ping,)) as server:
-        client = SideChannelClient((Pong,))
-        try:
-            for _ in range(2):  # a new connection each time, then kept ones
-                client.close()
-                client = SideChannelClient((Pong,))
+        for _ in range(2):  # a new connection each time, then kept ones
+            client = SideChannelClient((Pong,))
+            try:
                 for _ in range(3):
                     pending = client.start(server.address, Ping())
                     link = pending.link
@@ -107,7 +105,7 @@ def test_a_reply_read_late_is_dated_when_it_arrived():
                             (pending.arrived_at - pending.sent_at, read_at - pending.sent_at)
                     else:
                         assert pending.arrived_at >= pending.sent_at + 0.2, "no stamp: dated when read"
-        finally:
-            client.close()
+            finally:
+                client.close()
     assert dated_by_stamp > tries // 2, f"{dated_by_stamp} of {tries} replies had a usable stamp"
     assert receive_stamp.SO_TIMESTAMPNS is not None

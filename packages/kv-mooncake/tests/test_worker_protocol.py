@@ -88,15 +88,18 @@ def test_lease_keeps_blocks_past_the_hold():
     # A lease 1.5 s long renewed every 0.3 s: a loaded machine may pause the test 1.2 s between two
     # renewals (0.1 s of slack, as this test had with a 0.3 s lease, is one scheduler hiccup).
     prefill = _prefill_worker(MooncakeConfig(hold_timeout_s=0.5, lease_s=1.5))
-    prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=list(range(1)))]))
-    assert isinstance(prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=1, block_ids=[0])), P.Ack)
-    for _ in range(3):  # 0.9 s > hold_timeout_s, renewed every 0.3 s
-        time.sleep(0.3)
-        assert isinstance(prefill.handle(P.LeaseRenew(request_id="r", reader_id="a")), P.Ack)
-        assert _finished(prefill) == set()
-    prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True))
-    assert _finished(prefill) == {"r"}
-    prefill.close()
+    try:
+        prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=list(range(1)))]))
+        started = prefill.handle(P.PullStarted(request_id="r", reader_id="a", expected_readers=1, block_ids=[0]))
+        assert isinstance(started, P.Ack)
+        for _ in range(3):  # 0.9 s > hold_timeout_s, renewed every 0.3 s
+            time.sleep(0.3)
+            assert isinstance(prefill.handle(P.LeaseRenew(request_id="r", reader_id="a")), P.Ack)
+            assert _finished(prefill) == set()
+        prefill.handle(P.PullDone(request_id="r", reader_id="a", ok=True))
+        assert _finished(prefill) == {"r"}
+    finally:
+        prefill.close()  # its side channel, also when an assertion fails
 
 
 def _compat(**changes) -> P.Compatibility:

@@ -128,6 +128,7 @@ class StoreSaver:
         # No exists round trip first: a put of a key already stored is a success that keeps the
         # value (the Backend contract), and the scheduler asks for saves only past its hit.
         keys = self._store.keys(transfer.block_hashes)
+        # trailers: the zero-copy path is on (host KV, a parts backend); the joined save needs no trailers
         if trailers is not None and callable(getattr(self._store.backend, "batch_put_owned", None)):
             self._save_joined(view, transfer, keys)
             return
@@ -157,7 +158,7 @@ class StoreSaver:
         each block's slices joined into a new value under the gather lock (as a staging gather),
         then sealed while it is still in cache. Sealing the KV slices first and joining them after
         read the KV twice: measured 11-13 ms against 8.6 ms per 64 MiB of 128 KiB values."""
-        per = blocks_per_call(view.value_size, self._store.backend.pass_bytes, len(keys))
+        passes = spans(len(keys), blocks_per_call(view.value_size, self._store.backend.pass_bytes, len(keys)))
 
         def prepare(k: int) -> list[bytearray] | None:
             lo, hi = passes[k]
@@ -171,7 +172,6 @@ class StoreSaver:
                     values.append(value)
             return values
 
-        passes = spans(len(keys), per)
         put = self._store.backend.batch_put_owned  # type: ignore[attr-defined]
         self._put_passes(view, transfer, keys, passes, 0, prepare, put)
 
