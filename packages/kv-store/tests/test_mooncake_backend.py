@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 
 import pytest
@@ -208,4 +209,107 @@ def test_a_frozen_segment_holder_ends_a_get_within_the_call_bound(mooncake_maste
             os.kill(holder.proc.pid, signal.SIGCONT)
         bound = b.call_bound_s(1 << 20)
         assert bound is not None and took <= bound + 1.0, (took, bound)  # 1 s: a descheduled test thread
+        b.close()
+
+
+def _address(buffer: bytearray, offset: int = 0) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer)) + offset
+
+
+def test_parts_by_address_roundtrip_and_refusals(mooncake_master):
+    """The store core hands a pass's parts as addresses; every part must lie inside one registered
+    buffer, or the call reads / writes nothing."""
+    b = MooncakeBackend(mooncake_options(mooncake_master.address))
+    try:
+        src, dst = bytearray(b"a" * 3000 + b"b" * 5000 + b"t" * 16), bytearray(8016)
+        b.register_buffer(memoryview(src))
+        b.register_buffer(memoryview(dst))
+        sizes = [[3000, 5000, 16]]
+        rows = [[_address(src), _address(src, 3000), _address(src, 8000)]]
+        assert b.batch_put_parts_at(["k"], rows, sizes) == [True]
+        split = [[_address(dst), _address(dst, 5000)]], [[5000, 3016]]
+        assert b.batch_get_parts_at(["k"], *split) == [8016]
+        assert bytes(dst) == bytes(src)
+        assert b.batch_get_parts_at(["missing"], *split) == [-1]
+        # another size than stored: never a partial value
+        assert b.batch_get_parts_at(["k"], [[_address(dst)]], [[4000]]) == [-1]
+
+        plain = bytearray(8016)  # not registered
+        dst[:] = bytes(8016)
+        refused = [
+            ([[_address(plain)]], [[8016]]),  # outside every registration
+            ([[_address(dst, 8000)]], [[32]]),  # runs past the end of one
+            ([[_address(dst), _address(dst, 5000)]], [[5000, -1]]),  # a negative size
+            ([[_address(dst)], [_address(dst), _address(dst, 5000)]], [[8016], [5000, 3016]]),  # ragged rows
+            ([[_address(dst)]], [[8016], [8016]]),  # rows for another number of keys
+        ]
+        for addresses, part_sizes in refused:
+            assert b.batch_get_parts_at(["k"] * len(part_sizes), addresses, part_sizes) == [-1] * len(part_sizes)
+            assert b.batch_put_parts_at(["k3"] * len(part_sizes), addresses, part_sizes) == [False] * len(part_sizes)
+        assert bytes(plain) == bytes(8016) and bytes(dst) == bytes(8016)  # nothing written
+        assert b.batch_exists(["k3"]) == [False]  # nothing read and stored
+    finally:
+        b.close()
+
+
+def test_a_subclass_overriding_a_parts_call_does_not_inherit_the_address_calls():
+    from kv_store.staging import supports_parts_at
+
+    class Gated(MooncakeBackend):
+        def batch_get_parts(self, keys, parts):  # e.g. a test double that blocks loads
+            return super().batch_get_parts(keys, parts)
+
+    class Plain(MooncakeBackend):
+        pass
+
+    assert Gated.batch_get_parts_at is None and Gated.batch_put_parts_at is None
+    assert not supports_parts_at(Gated.__new__(Gated))
+    assert supports_parts_at(Plain.__new__(Plain))
+
+
+def test_the_worker_moves_values_by_address_and_they_read_back_through_staging(mooncake_master):
+    """A worker over Mooncake saves and loads straight between the KV cache and the store by
+    address; the values are the bytes the staging path writes and reads (same keys, same check)."""
+    torch = pytest.importorskip("torch")
+    from kv_store.config import StoreConnectorConfig
+    from kv_store.metadata import BlockTransfer, StorePlan
+    from kv_store.worker import StoreWorker
+
+    b = MooncakeBackend(mooncake_options(mooncake_master.address))
+    calls = {"put": 0, "get": 0}
+    put_at, get_at = b.batch_put_parts_at, b.batch_get_parts_at
+
+    def counting_put(*args):
+        calls["put"] += 1
+        return put_at(*args)
+
+    def counting_get(*args):
+        calls["get"] += 1
+        return get_at(*args)
+
+    b.batch_put_parts_at, b.batch_get_parts_at = counting_put, counting_get
+    torch.manual_seed(3)
+    caches = {f"layer{i}": torch.randn(12, 2, 4, 8) for i in range(3)}
+    workers = []
+    try:
+        for zero_copy in (True, False):
+            # no load deadline: this client's calls are not bounded within one (zero copy needs that)
+            w = StoreWorker(backend=b, namespace="ns", rank_tag="r0", zero_copy=zero_copy,
+                            config=StoreConnectorConfig(staging_bytes=1 << 14, load_timeout_s=0))
+            w.register_kv_caches(caches)
+            workers.append(w)
+        by_address, staging = workers
+        hs = [bytes([i]) * 8 for i in range(4)]
+        by_address.submit_saves(StorePlan(saves=[BlockTransfer(request_id="s", block_hashes=hs, block_ids=[[0, 1, 2, 3]])]))
+        by_address.wait_for_request_saves(["s"])
+        assert calls["put"] >= 1
+        for worker, ids in ((by_address, [4, 5, 6, 7]), (staging, [8, 9, 10, 11])):
+            worker.load_sync(StorePlan(loads=[BlockTransfer(request_id=f"l{ids[0]}", block_hashes=hs, block_ids=[ids])]))
+            assert not worker.ledger.take_block_ids_with_load_errors()
+            for layer in caches.values():
+                assert torch.equal(layer[ids], layer[[0, 1, 2, 3]])
+        assert calls["get"] >= 1
+    finally:
+        for w in workers:
+            w.close(5.0)
         b.close()

@@ -41,7 +41,7 @@ from kv_store.config import StoreConnectorConfig
 from kv_store.kv_view import KVBlockView
 from kv_store.metadata import BlockTransfer, StorePlan
 from kv_store.passes import blocks_per_call, gets_overlapped, io_executor, spans
-from kv_store.staging import CacheBuffers, Staging, TrailerArea
+from kv_store.staging import CacheBuffers, Staging, TrailerArea, supports_parts_at
 from kv_store.store_access import StoreAccess
 
 logger = get_logger(__name__)
@@ -146,8 +146,11 @@ class StoreLoader:
             def scatter(lo: int, hi: int, transfer: BlockTransfer = transfer, row: int = row) -> bool:
                 return gate.write(lambda: view.scatter(staging, transfer, row, lo, hi))
 
+            def fetch(lo: int, hi: int, keys: list[str] = keys, values: list[memoryview] = values) -> Sequence[int]:
+                return self._store.backend.batch_get_into(keys[lo:hi], values[lo:hi])
+
             good, why, seconds = self._fetch_checked(
-                transfer, keys, values, self._store.backend.batch_get_into,
+                transfer, keys, values, fetch,
                 lambda value, nbytes, key: self._store.seal.check(value, view.payload_size, nbytes, key),
                 scatter,
             )
@@ -156,13 +159,14 @@ class StoreLoader:
         return out
 
     def _fetch_checked(self, transfer: BlockTransfer, keys: list[str], values: list[Any],
-                       get: Callable[[list[str], list[Any]], Sequence[int]],
+                       fetch: Callable[[int, int], Sequence[int]],
                        check: Callable[[Any, int, str], str | None],
                        landed: Callable[[int, int], bool] | None = None) -> tuple[int, str, float]:
-        """Fetch ``values`` in passes of the backend's size and check each pass as soon as it
-        landed (while the next one is fetched): (leading intact blocks, why the next is not,
-        seconds in the get). Stops at the first bad block: the blocks after it are recomputed
-        anyway; returns only once no get is in flight. A get that raises is a miss (a dead store).
+        """Fetch ``values`` in passes of the backend's size (``fetch(lo, hi)``: the get of blocks
+        ``lo:hi``) and check each pass as soon as it landed (while the next one is fetched):
+        (leading intact blocks, why the next is not, seconds in the get). Stops at the first bad
+        block: the blocks after it are recomputed anyway; returns only once no get is in flight.
+        A get that raises is a miss (a dead store).
         ``landed(lo, hi)``: blocks ``lo:hi`` of a pass are intact (they count only if it returns
         True: the staging path's scatter, refused once the load is given up)."""
         assert self._cache is not None
@@ -174,7 +178,7 @@ class StoreLoader:
             lo, hi = passes[k]
             t0 = time.perf_counter()
             try:
-                return get(keys[lo:hi], values[lo:hi])
+                return fetch(lo, hi)
             except Exception as exc:  # noqa: BLE001 - a dead store is a miss
                 logger.warning("store get failed for %s: %s", transfer.request_id, exc)
                 return [-1] * (hi - lo)
@@ -298,15 +302,26 @@ class StoreLoader:
     def _load_parts(self, view: KVBlockView, transfer: BlockTransfer, trailers: TrailerArea) -> int:
         """Fetch ``transfer`` straight into its KV blocks; verify; record failures. Blocks at and
         after the first bad one are reported for recompute (whatever landed in them)."""
-        n = len(transfer.block_hashes)
-        values = [view.block_parts(transfer, i, trailers[i]) for i in range(n)]
-        good, why, seconds = self._fetch_checked(
-            transfer, self._store.keys(transfer.block_hashes), values,
-            self._store.backend.batch_get_parts,  # type: ignore[attr-defined]
-            self._store.seal.check_parts,
-        )
+        good, why, seconds = self._fetch_parts(view, transfer, trailers)
         self._record_get(transfer, good, why, seconds)
         return good
+
+    def _fetch_parts(self, view: KVBlockView, transfer: BlockTransfer, trailers: TrailerArea) -> tuple[int, str, float]:
+        """``_fetch_checked`` straight into the KV slices and trailers of ``transfer`` (as many
+        blocks as trailers): given to the backend by address when it takes addresses (computed
+        for a pass at once), else as buffers; checked over the slices either way."""
+        backend = self._store.backend
+        keys = self._store.keys(transfer.block_hashes)
+        values = [view.block_parts(transfer, i, trailers[i]) for i in range(len(keys))]
+        by_address = supports_parts_at(backend)
+
+        def fetch(lo: int, hi: int) -> Sequence[int]:
+            if by_address:
+                rows = view.part_rows(transfer, lo, hi, trailers.addresses(lo, hi - lo))
+                return backend.batch_get_parts_at(keys[lo:hi], *rows)  # type: ignore[attr-defined]
+            return backend.batch_get_parts(keys[lo:hi], values[lo:hi])  # type: ignore[attr-defined]
+
+        return self._fetch_checked(transfer, keys, values, fetch, self._store.seal.check_parts)
 
     def _deadline(self) -> float | None:
         timeout = self.config.load_timeout_s
@@ -423,12 +438,7 @@ class StoreLoader:
                 with self._async_lock:
                     if job.given_up:
                         return
-                good, why, seconds = self._fetch_checked(
-                    transfer, self._store.keys(transfer.block_hashes),
-                    [view.block_parts(transfer, i, trailers[i]) for i in range(len(transfer.block_hashes))],
-                    self._store.backend.batch_get_parts,  # type: ignore[attr-defined]
-                    self._store.seal.check_parts,
-                )
+                good, why, seconds = self._fetch_parts(view, transfer, trailers)
                 with self._async_lock:
                     job.fetched.append(_Fetched(transfer, good, -1, why, seconds))
                 if good < len(transfer.block_hashes):

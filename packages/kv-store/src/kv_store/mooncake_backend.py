@@ -135,6 +135,12 @@ class MooncakeBackend(Backend):
     name = "mooncake"
     pass_bytes = None  # one RPC per request: a call costs a round trip to the master
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        overrides = {"batch_put_parts", "batch_get_parts"} & set(cls.__dict__)
+        if overrides and not {"batch_put_parts_at", "batch_get_parts_at"} & set(cls.__dict__):
+            cls.batch_put_parts_at = cls.batch_get_parts_at = None  # type: ignore[assignment]  # the override sees every parts call
+
     def call_bound_s(self, nbytes: int) -> float | None:
         return mooncake_call_bound_s(str(self.options.get("protocol", "")), nbytes, self._timeouts)
 
@@ -274,11 +280,75 @@ class MooncakeBackend(Backend):
         if not self._ready or not keys:
             return [-1] * len(keys)
         ptrs, sizes = self._part_addresses(parts)
-        out: list[int] = []
         if ptrs is None or sizes is None:
             # A missing key reads as b'' here: no data, as for None.
             return [scatter_into_parts(self._store.get(key) or None, bufs) for key, bufs in zip(keys, parts, strict=True)]
-        codes = self._store.batch_get_into_multi_buffers(list(keys), ptrs, sizes)
+        return self._get_results(self._store.batch_get_into_multi_buffers(list(keys), ptrs, sizes), sizes)
+
+    # ---- the parts by address (the store core computes them for a whole pass) -----------------
+    def batch_put_parts_at(self, keys: Sequence[str], addresses: Sequence[Sequence[int]],
+                           sizes: Sequence[Sequence[int]]) -> list[bool]:
+        """``batch_put_parts`` of values whose parts are given as addresses and sizes; every part
+        must lie inside a registered buffer, or nothing is read and every put fails."""
+        if not self._ready or not keys:
+            return [False] * len(keys)
+        if not self._rows_registered(len(keys), addresses, sizes):
+            return [False] * len(keys)
+        return self._put_results(self._store.batch_put_from_multi_buffers(list(keys), addresses, sizes))
+
+    def batch_get_parts_at(self, keys: Sequence[str], addresses: Sequence[Sequence[int]],
+                           sizes: Sequence[Sequence[int]]) -> list[int]:
+        """``batch_get_parts`` into parts given as addresses and sizes; every part must lie inside
+        a registered buffer, or nothing is written and every key is a miss."""
+        if not self._ready or not keys:
+            return [-1] * len(keys)
+        if not self._rows_registered(len(keys), addresses, sizes):
+            return [-1] * len(keys)
+        return self._get_results(self._store.batch_get_into_multi_buffers(list(keys), addresses, sizes), sizes)
+
+    def _rows_registered(self, n: int, addresses: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> bool:
+        """Whether ``n`` rows of part addresses and sizes all lie inside registered buffers (checked
+        for the whole call at once: ~0.1 ms for 2560 parts against ~1 us a part one by one)."""
+        import numpy as np
+
+        try:
+            at = np.asarray(addresses, dtype=np.int64)
+            size = np.asarray(sizes, dtype=np.int64)
+        except (ValueError, TypeError, OverflowError):
+            at = size = None  # ragged rows or not integers
+        if at is None or size is None or len(at) != n or at.ndim != 2 or at.shape != size.shape:
+            self._warn_once("parts_at", -1)
+            return False
+        spans = self._merged_registrations()
+        at, size = at.ravel(), size.ravel()
+        if spans:
+            starts = np.asarray([start for start, _ in spans], dtype=np.int64)
+            ends = np.asarray([end for _, end in spans], dtype=np.int64)
+            i = np.searchsorted(starts, at, side="right") - 1  # the span starting at or before each part
+            inside = bool(np.all((i >= 0) & (size >= 0) & (at + size <= ends[np.maximum(i, 0)])))
+        else:
+            inside = at.size == 0
+        if not inside:
+            self._warn_once("parts_at", -1)
+            return False
+        return True
+
+    def _merged_registrations(self) -> list[tuple[int, int]]:
+        """The registered buffers as disjoint (start, end) spans: nested or overlapping ones merged,
+        merely adjacent ones kept apart (a part spanning two registrations is not inside one)."""
+        with self._lock:
+            regs = list(self._registered)
+        merged: list[tuple[int, int]] = []
+        for start, length in regs:  # sorted by start
+            end = start + length
+            if merged and start < merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged
+
+    def _get_results(self, codes: Sequence[int], sizes: Sequence[Sequence[int]]) -> list[int]:
+        out: list[int] = []
         for code, size in zip(codes, sizes, strict=True):
             if code < 0:
                 if code != OBJECT_NOT_FOUND:

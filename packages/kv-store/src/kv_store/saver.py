@@ -30,7 +30,7 @@ from kv_store.config import StoreConnectorConfig
 from kv_store.kv_view import KVBlockView
 from kv_store.metadata import BlockTransfer, StorePlan
 from kv_store.passes import blocks_per_call, double_buffered, io_executor, puts_overlapped, spans
-from kv_store.staging import CacheBuffers, TrailerArea
+from kv_store.staging import CacheBuffers, TrailerArea, supports_parts_at
 from kv_store.store_access import StoreAccess
 
 logger = get_logger(__name__)
@@ -151,7 +151,8 @@ class StoreSaver:
                 self._store.seal.write(value, view.payload_size, key)
             return values
 
-        self._put_passes(view, transfer, keys, passes, half, prepare, self._store.backend.batch_put)
+        self._put_passes(view, transfer, keys, passes, half, prepare,
+                         lambda k, keys, values: self._store.backend.batch_put(keys, values))
 
     def _save_joined(self, view: KVBlockView, transfer: BlockTransfer, keys: Sequence[str]) -> None:
         """A backend that keeps its own copy of each value (the embedded store) is handed that copy:
@@ -172,8 +173,9 @@ class StoreSaver:
                     values.append(value)
             return values
 
-        put = self._store.backend.batch_put_owned  # type: ignore[attr-defined]
-        self._put_passes(view, transfer, keys, passes, 0, prepare, put)
+        backend = self._store.backend
+        self._put_passes(view, transfer, keys, passes, 0, prepare,
+                         lambda k, keys, values: backend.batch_put_owned(keys, values))  # type: ignore[attr-defined]
 
     def _save_parts(self, view: KVBlockView, transfer: BlockTransfer, keys: Sequence[str],
                     trailers: TrailerArea) -> None:
@@ -192,17 +194,26 @@ class StoreSaver:
                     values.append(parts)
             return values
 
-        put = self._store.backend.batch_put_parts  # type: ignore[attr-defined]
+        backend = self._store.backend
+        by_address = supports_parts_at(backend)
+
+        def put(k: int, keys: list[str], values: list[list[memoryview]]) -> Sequence[bool]:
+            if by_address:  # the same parts, by address: computed for the pass at once
+                lo, hi = passes[k]
+                rows = view.part_rows(transfer, lo, hi, trailers.addresses((k % 2) * half, hi - lo))
+                return backend.batch_put_parts_at(keys, *rows)  # type: ignore[attr-defined]
+            return backend.batch_put_parts(keys, values)  # type: ignore[attr-defined]
+
         self._put_passes(view, transfer, keys, passes, half, prepare, put)
 
     def _put_passes(self, view: KVBlockView, transfer: BlockTransfer, keys: Sequence[str],
                     passes: Sequence[tuple[int, int]], half: int, prepare: Callable[[int], list[Any] | None],
-                    put: Callable[[list[str], list[Any]], Sequence[bool]]) -> None:
+                    put: Callable[[int, list[str], list[Any]], Sequence[bool]]) -> None:
         """Each pass prepared here while the previous one's put runs on the I/O thread (when the
-        rows alternate: ``half`` > 0)."""
+        rows alternate: ``half`` > 0). ``put(k, keys, values)``: the backend call of pass ``k``."""
         def call(k: int, values: list[Any]) -> tuple[Sequence[bool], float]:
             lo, hi = passes[k]
-            return self._timed_put(transfer.request_id, list(keys[lo:hi]), values, put)
+            return self._timed_put(transfer.request_id, list(keys[lo:hi]), values, lambda ks, vs: put(k, ks, vs))
 
         def finish(k: int, result: tuple[Sequence[bool], float]) -> None:
             lo, hi = passes[k]

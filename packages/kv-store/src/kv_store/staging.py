@@ -7,11 +7,14 @@
   layer, then its 16-byte trailer) moves values straight between the paged KV cache and the store:
   no staging copy, the checksum computed and verified over the KV slices in place. The worker
   registers every layer's KV tensor with such a backend (``register_buffer``), and two trailer
-  areas (saves, loads).
+  areas (saves, loads). A backend that takes the parts' addresses instead (``batch_put_parts_at``
+  / ``batch_get_parts_at(keys, addresses, sizes)``, each row a value's parts inside the registered
+  buffers) is given them computed for a whole pass at once (``KVBlockView.part_rows``).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,10 +65,18 @@ class TrailerArea:
     def __init__(self, view: memoryview) -> None:
         self.view = view
         self.slots = len(view) // codec.TRAILER_SIZE
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if self.slots else 0
 
     def __getitem__(self, slot: int) -> memoryview:
         ts = codec.TRAILER_SIZE
         return self.view[slot * ts : (slot + 1) * ts]
+
+    def addresses(self, first: int, n: int) -> list[int]:
+        """Where trailers ``first .. first+n-1`` lie (``ValueError`` past the area)."""
+        if first < 0 or first + n > self.slots:
+            raise ValueError(f"trailers {first}:{first + n} outside the area's {self.slots}")
+        ts = codec.TRAILER_SIZE
+        return [self.address + slot * ts for slot in range(first, first + n)]
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,12 @@ class CacheBuffers:
 
 def supports_parts(backend: Backend) -> bool:
     return callable(getattr(backend, "batch_put_parts", None)) and callable(getattr(backend, "batch_get_parts", None))
+
+
+def supports_parts_at(backend: Backend) -> bool:
+    """The parts protocol by address: ``batch_put_parts_at`` / ``batch_get_parts_at``."""
+    return callable(getattr(backend, "batch_put_parts_at", None)) and callable(
+        getattr(backend, "batch_get_parts_at", None))
 
 
 class ZeroCopyParts:
