@@ -203,12 +203,16 @@ def connector_configs(
     embedded_capacity: int = 1 << 30,
     offload_bytes: int = 1 << 30,
     port_base: int | None = None,
+    segment_bytes: int = 512 << 20,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """(kv_transfer_config, extra env) for a row name of the benchmarks.
 
     Every config asks vLLM to recompute on a failed load (``kv_load_failure_policy``), so a failing
-    connector shows up as 0 tokens hit instead of failed requests.
+    connector shows up as 0 tokens hit instead of failed requests. ``segment_bytes``: what each
+    engine of a Mooncake store row mounts into the pool (a run that saves more than the pool holds
+    measures Mooncake's eviction, not a hit).
     """
+    segment = f"{max(1, segment_bytes >> 20)}mb"
     env: dict[str, str] = {"MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
     if name == "kv-store embedded":
         cfg: dict[str, Any] = {
@@ -228,7 +232,7 @@ def connector_configs(
                 "backend": "mooncake",
                 "mooncake": {
                     "master_server_address": master.address,
-                    "global_segment_size": "512mb",
+                    "global_segment_size": segment,
                     "local_buffer_size": "128mb",
                     "setup_retries": 1,
                 },
@@ -261,7 +265,7 @@ def connector_configs(
         }
     elif name == "vLLM MooncakeStoreConnector":
         assert master is not None
-        env["MOONCAKE_CONFIG_PATH"] = master.config_file(workdir)
+        env["MOONCAKE_CONFIG_PATH"] = master.config_file(workdir, segment=segment)
         cfg = {"kv_connector": "MooncakeStoreConnector", "kv_role": role}
     elif name == "vLLM MooncakeConnector":
         port = port_base or free_port()

@@ -177,7 +177,12 @@ def _interleave(prompts: Prompts, half: Prompts, m: Measured, rec_engine: BenchE
 
 
 def _store_session(row: str, model_dir, prompts: Prompts, half: Prompts, max_len: int, workdir, master) -> Measured:
-    cfg, env = connector_configs(row, workdir=workdir, master=master)
+    # The saver stores every prompt (and every half) before the loader asks: a Mooncake pool smaller
+    # than that evicts the first ones (full mode saves ~1.8 GiB; at 512 MiB per engine no full hit).
+    # Each engine mounts room for all of it (Mooncake may place every value on the saver's segment).
+    saved = sum(len(p) for p in prompts.values()) + sum(n // 2 for n, _r in half) + 1024
+    cfg, env = connector_configs(row, workdir=workdir, master=master,
+                                 segment_bytes=max(512 << 20, saved * KV_BYTES_PER_TOKEN * 5 // 4))
     saver = _engine(model_dir, "saver", max_len, cfg, {**env, **core_env(0)})
     loader = _engine(model_dir, "loader", max_len, cfg, {**env, **core_env(1)})
     rec = _engine(model_dir, "recompute", max_len, None, core_env(1))
