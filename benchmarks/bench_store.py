@@ -356,17 +356,14 @@ def store_claims(results: dict, backends: list[str], sizes: list[int],
 def _hash_from_memory_gbps(nbytes: int, reps: int = 5) -> float | None:
     """xxh3 over ``nbytes`` not in cache (a buffer larger than the last-level cache on the machines
     here), best of ``reps``, GB/s; None without xxhash."""
+    from benchmarks.bench_integrity_cost import gbps
+
     try:
         import xxhash
     except ImportError:
         return None
     buf = memoryview(bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        xxhash.xxh3_64(buf).intdigest()
-        best = min(best, time.perf_counter() - t0)
-    return len(buf) / best / 1e9
+    return max(gbps(xxhash.xxh3_64_intdigest, buf, len(buf), reps))
 
 
 def serial_check_claims(results: dict, backends: list[str], sizes: list[int], hash_gbps: float | None) -> list[Claim]:
