@@ -12,8 +12,11 @@ on this machine's two cores:
 
 The client is vLLM's own serving benchmark (``vllm.benchmarks.serve``, run through
 :mod:`benchmarks._serve_client`): random dataset, Poisson arrivals at each request rate of a sweep,
-every (setup, rate) repeated with a different seed, the same seeds (prompts) for both setups. From its
-per-request figures: TTFT and ITL p50 / p99 (95 % bootstrap intervals over the pooled requests) and
+every (setup, rate) repeated with a different seed, the same seeds (prompts) for both setups. Every
+run's prompts are its own (a seed per rate and repeat; vLLM's own warm-up and ready check, which
+send the run's first prompt ahead of it, are off and an unmeasured run of other prompts warms up
+instead): vLLM's prefix cache must not serve a measured prompt, and the servers' ``/metrics`` say
+what it served. From its per-request figures: TTFT and ITL p50 / p99 (95 % bootstrap intervals over the pooled requests) and
 goodput, the requests per second that met the SLO (TTFT and TPOT both within it; mean and range
 over the repeats). The SLO is stated from this run: a multiple of the colocated instance's own
 best p50 latency over the rates.
@@ -45,6 +48,17 @@ MAX_MODEL_LEN = 2048
 # its lowest rate: on a shared machine one stalled run would otherwise set an SLO nothing misses.
 SLO_TTFT_TIMES, SLO_TPOT_TIMES = 3.0, 2.0
 SETUPS = ("colocated", "1P1D")
+WARMUP_SEED, WARMUP_PROMPTS = 999, 4
+# A measured run whose prompts vLLM's prefix cache served would time a cache hit, not a prefill (the
+# runs reused their prompts once, rate after rate: at the second rate every prompt hit). At most
+# this share of queried prompt tokens may hit: the random dataset's prompts are runs of consecutive
+# token ids from a random start, and two prompts of a run may, rarely, start alike.
+MAX_CACHE_HIT_SHARE = 0.05
+
+
+def run_seed(rate_index: int, repeat: int) -> int:
+    """The prompts of one (rate, repeat): the same for both setups, no other run's."""
+    return 1000 + 100 * rate_index + repeat
 
 
 @dataclass
@@ -59,6 +73,10 @@ class Run:
     tpots: list[float]  # (latency - TTFT) / (output tokens - 1), per request
     itls: list[float]  # every inter-token gap of every request
     failed: int
+    # Prompt tokens vLLM's prefix cache served during the run, and those it was asked for, summed
+    # over the setup's servers (their /metrics, before and after): the run measures computed prompts.
+    cache_hits: float = 0.0
+    cache_queries: float = 0.0
 
     def good(self, slo_ttft_s: float, slo_tpot_s: float) -> int:
         return sum(1 for t, p in zip(self.ttfts, self.tpots, strict=True) if t <= slo_ttft_s and p <= slo_tpot_s)
@@ -89,13 +107,14 @@ def _server(model: str, port: int, cores: str, omp_bind: str, kv_config: dict | 
             f"--dtype float32 --max-model-len {MAX_MODEL_LEN}{kv}")
 
 
-def _start(cluster, model: str, setup: str) -> int:
-    """Start ``setup``'s servers in ``cluster`` (bench_proxy's process group helper); its URL's port."""
+def _start(cluster, model: str, setup: str) -> tuple[int, list[int]]:
+    """Start ``setup``'s servers in ``cluster`` (bench_proxy's process group helper): the port the
+    client uses, and the vLLM servers' ports (whose prefix caches a run must not hit)."""
     if setup == "colocated":
         port = free_port()
         cluster.start("colocated", _server(model, port, "0,1", "0-1", None))
         cluster.wait(port, time.monotonic() + START_TIMEOUT_S)
-        return port
+        return port, [port]
     prefill, decode, proxy = free_port(), free_port(), free_port()
     cluster.start_1p1d(
         (prefill, _server(model, prefill, "0", "0", {
@@ -104,18 +123,43 @@ def _start(cluster, model: str, setup: str) -> int:
             "kv_connector": "MooncakeConnectorV1", "kv_role": "kv_consumer", "kv_port": free_port(),
             "kv_load_failure_policy": "recompute"})),
         proxy)
-    return proxy
+    return proxy, [prefill, decode]
+
+
+def cache_counters(ports: list[int], settle_s: float = 15.0) -> tuple[float, float]:
+    """(prefix-cache hit tokens, queried tokens) summed over the servers on ``ports``, once two
+    reads 0.5 s apart agree (vLLM's counters lag its answers a little)."""
+    import httpx
+
+    from benchmarks.bench_proxy_routing import _metric
+
+    def read() -> tuple[float, float]:
+        texts = [httpx.get(f"http://127.0.0.1:{p}/metrics", timeout=30).text for p in ports]
+        return (sum(_metric(t, "vllm:prefix_cache_hits_total") for t in texts),
+                sum(_metric(t, "vllm:prefix_cache_queries_total") for t in texts))
+
+    last, deadline = read(), time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = read()
+        if now == last:
+            break
+        last = now
+    return last
 
 
 # ---------------------------------------------------------------- vLLM's client
-def client_run(model: str, port: int, setup: str, rate: float, repeat: int, num_prompts: int, workdir: Path) -> Run:
-    """One run of ``vllm bench serve`` (random dataset) at ``rate`` requests/s against ``port``."""
-    name = f"{setup}-{rate:g}-{repeat}.json"
+def client_run(model: str, port: int, setup: str, rate: float, repeat: int, num_prompts: int, workdir: Path,
+               seed: int) -> Run:
+    """One run of ``vllm bench serve`` (random dataset, prompts from ``seed``) at ``rate`` requests/s
+    against ``port``, without vLLM's warm-up and ready check: both send the run's own first prompt
+    before the run, which would then be served from the prefix cache."""
+    name = f"{setup}-{rate:g}-{repeat}-{seed}.json"
     args = [
         "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}", "--model", model, "--tokenizer", model,
         "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
-        "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", str(1000 + repeat),
-        "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--num-warmups", "2",
+        "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", str(seed),
+        "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--num-warmups", "0", "--ready-check-timeout-sec", "0",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
         "--save-result", "--save-detailed", "--result-dir", str(workdir), "--result-filename", name,
     ]
@@ -169,6 +213,7 @@ def figures(points: list[Point], slo: tuple[float, float]) -> dict[tuple[str, fl
             "goodput_range": (min(gp), max(gp)) if gp else (float("nan"), float("nan")),
             "requests": len(p.pooled("ttfts")), "failed": sum(r.failed for r in p.runs),
             "attained": sum(r.good(*slo) for r in p.runs) / max(1, len(p.pooled("ttfts"))),
+            "cache_hit_share": sum(r.cache_hits for r in p.runs) / max(1.0, sum(r.cache_queries for r in p.runs)),
         }
     return out
 
@@ -216,6 +261,12 @@ def claims_from(fig: dict[tuple[str, float], dict], rates: list[float], slo: tup
             f"goodput, 1P1D against colocated over {len(both)} rates: higher in every repeat at "
             f"{', '.join(f'{r:g}' for r in better) or 'no rate'}; lower in every repeat at "
             f"{', '.join(f'{r:g}' for r in worse) or 'no rate'} (req/s offered)"))
+    hit = max(fig.values(), key=lambda v: v["cache_hit_share"], default=None)
+    if hit is not None:
+        claims.append(Claim(
+            f"measured prompts computed, not served from vLLM's prefix cache: at most {hit['cache_hit_share']:.1%} of "
+            f"the prompt tokens the servers looked up hit it in any (setup, rate) (their /metrics; limit "
+            f"{MAX_CACHE_HIT_SHARE:.0%})", hit["cache_hit_share"] <= MAX_CACHE_HIT_SHARE))
     failed = sum(v["failed"] for v in fig.values())
     claims.append(Claim(f"{failed} failed requests over {sum(v['requests'] for v in fig.values()) + failed}", failed == 0))
     return claims
@@ -283,12 +334,19 @@ def run(quick: bool) -> Section:
         for setup in SETUPS:
             cluster = _Cluster(model)
             try:
-                port = _start(cluster, model, setup)
-                for rate in rates:
+                port, servers = _start(cluster, model, setup)
+                # Unmeasured: first requests pay one-off costs; its prompts are no measured run's.
+                client_run(model, port, setup, 2.0, 0, WARMUP_PROMPTS, Path(tmp), WARMUP_SEED)
+                for k, rate in enumerate(rates):
                     point = Point(setup, rate)
                     for repeat in range(repeats):
                         try:
-                            point.runs.append(client_run(model, port, setup, rate, repeat, num_prompts, Path(tmp)))
+                            before = cache_counters(servers)
+                            run = client_run(model, port, setup, rate, repeat, num_prompts, Path(tmp),
+                                             run_seed(k, repeat))
+                            after = cache_counters(servers)
+                            run.cache_hits, run.cache_queries = after[0] - before[0], after[1] - before[1]
+                            point.runs.append(run)
                         except Exception as exc:  # noqa: BLE001 - reported, the other runs go on
                             section.notes.append(f"{setup} at {rate:g} req/s, repeat {repeat}: {exc}")
                     points.append(point)
@@ -305,10 +363,10 @@ def run(quick: bool) -> Section:
     section.claims += claims_from(fig, rates, slo)
     section.tables.append(table(
         ["setup", "rate (req/s)", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-         "SLO met", "goodput req/s (range)", "failed"],
+         "SLO met", "goodput req/s (range)", "prefix-cache hits", "failed"],
         [[s, f"{r:g}", v["requests"], _fmt(v["ttft50"]), _fmt(v["ttft99"]), _fmt(v["itl50"]), _fmt(v["itl99"]),
           f"{v['attained']:.0%}", f"{v['goodput']:.2f} ({v['goodput_range'][0]:.2f}-{v['goodput_range'][1]:.2f})",
-          v["failed"]] for (s, r), v in sorted(fig.items(), key=lambda kv: (kv[0][1], kv[0][0]))],
+          f"{v['cache_hit_share']:.1%}", v["failed"]] for (s, r), v in sorted(fig.items(), key=lambda kv: (kv[0][1], kv[0][0]))],
     ))
     section.plots.append(_plot(fig, rates, slo))
     section.notes += [
@@ -319,6 +377,11 @@ def run(quick: bool) -> Section:
         "machine's load between them shows as a difference: read the run line's load figures",
         "the proxy and the client are not pinned: they share the two cores with the servers, in both setups "
         "the client does",
+        "prefix-cache hits: prompt tokens vLLM's prefix cache served / those looked up, over the setup's servers "
+        "(both, for 1P1D) during the rate's runs, from their /metrics before and after each run; each run has "
+        f"its own prompts (seed per rate and repeat, the same in both setups), vLLM's client warm-up and ready "
+        f"check are off (they send the run's first prompt ahead of it) and {WARMUP_PROMPTS} other prompts warm "
+        "each setup up, unmeasured",
         f"model: random Llama, {MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, "
         f"{MODEL['num_kv_heads']} KV heads of {MODEL['head_dim']}, float32, eager",
     ]
