@@ -16,10 +16,11 @@ every (setup, rate) repeated with a different seed, the same seeds (prompts) for
 run's prompts are its own (a seed per rate and repeat; vLLM's own warm-up and ready check, which
 send the run's first prompt ahead of it, are off and an unmeasured run of other prompts warms up
 instead), and the servers run without prefix caching: vLLM's prefix cache must not serve a
-measured prompt, and the servers' ``/metrics`` say what it served. From its per-request figures: TTFT and ITL p50 / p99 (95 % bootstrap intervals over the pooled requests) and
-goodput, the requests per second that met the SLO (TTFT and TPOT both within it; mean and range
-over the repeats). The SLO is stated from this run: a multiple of the colocated instance's own
-best p50 latency over the rates.
+measured prompt, and the servers' ``/metrics`` say what it served (and, for 1P1D, that the decode
+got the prompt's KV by transfer). From its per-request figures: TTFT and ITL p50 / p99 (95 %
+bootstrap intervals over the pooled requests) and goodput, the requests per second that met the
+SLO (TTFT and TPOT both within it; mean and range over the repeats). The SLO is stated from this
+run: a multiple of the colocated instance's own best p50 latency over the rates.
 
 ``python -m benchmarks --only bench_pd_goodput [--quick]``
 """
