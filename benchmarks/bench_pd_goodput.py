@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks._engine import free_port, random_llama
+from benchmarks._prometheus import metric, settled
 from benchmarks.bench_proxy import START_TIMEOUT_S
 from benchmarks.report import ROOT, Claim, Section, bootstrap_ci, median, quantile, save_plot, table
 
@@ -149,20 +150,11 @@ def server_counters(ports: list[int], settle_s: float = 15.0) -> list[dict[str, 
     (vLLM's counters lag its answers a little)."""
     import httpx
 
-    from benchmarks.bench_proxy_routing import _metric
-
     def read() -> list[dict[str, float]]:
         texts = [httpx.get(f"http://127.0.0.1:{p}/metrics", timeout=30).text for p in ports]
-        return [{k: _metric(t, name, labels) for k, (name, labels) in COUNTERS.items()} for t in texts]
+        return [{k: metric(t, name, labels) for k, (name, labels) in COUNTERS.items()} for t in texts]
 
-    last, deadline = read(), time.monotonic() + settle_s
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = read()
-        if now == last:
-            break
-        last = now
-    return last
+    return settled(read, settle_s)
 
 
 def counted(run: Run, before: list[dict[str, float]], after: list[dict[str, float]]) -> Run:
@@ -234,6 +226,7 @@ def figures(points: list[Point], slo: tuple[float, float]) -> dict[tuple[str, fl
     out = {}
     for p in points:
         gp = p.goodputs(slo)
+        decode_prompt = sum(r.decode_prompt for r in p.runs)
         out[(p.setup, p.rate)] = {
             "ttft50": _q_ci(p.pooled("ttfts"), 0.5), "ttft99": _q_ci(p.pooled("ttfts"), 0.99),
             "itl50": _q_ci(p.pooled("itls"), 0.5), "itl99": _q_ci(p.pooled("itls"), 0.99),
@@ -242,9 +235,9 @@ def figures(points: list[Point], slo: tuple[float, float]) -> dict[tuple[str, fl
             "requests": len(p.pooled("ttfts")), "failed": sum(r.failed for r in p.runs),
             "attained": sum(r.good(*slo) for r in p.runs) / max(1, len(p.pooled("ttfts"))),
             "cache_hit_share": sum(r.cache_hits for r in p.runs) / max(1.0, sum(r.cache_queries for r in p.runs)),
-            "decode_prompt": sum(r.decode_prompt for r in p.runs),
-            "transferred_share": (sum(r.decode_transferred for r in p.runs) / sum(r.decode_prompt for r in p.runs)
-                                  if any(r.decode_prompt for r in p.runs) else float("nan")),
+            "decode_prompt": decode_prompt,
+            "transferred_share": (sum(r.decode_transferred for r in p.runs) / decode_prompt if decode_prompt
+                                  else float("nan")),
         }
     return out
 

@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 
 from benchmarks._engine import free_port, random_llama
+from benchmarks._prometheus import metric, settled
 from benchmarks.report import Claim, Section, bootstrap_ci, median, quantile, save_plot, table
 
 MODEL = random_llama(num_layers=4, max_position_embeddings=4096, seed=1234)  # bench_pd_goodput's
@@ -224,15 +225,6 @@ async def run_conversations(client, url: str, model: str, conversations: list[Co
 
 
 # ---------------------------------------------------------------- servers and proxies
-def _metric(text: str, name: str, labels: str = "") -> float:
-    """The sum of one Prometheus series over its label sets (those containing ``labels``)."""
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.M):
-        if labels in (m.group(1) or ""):
-            total += float(m.group(2))
-    return total
-
-
 COUNTERS = {  # what each run reads from the servers' /metrics, before and after
     "computed": ("vllm:prompt_tokens_by_source_total", 'source="local_compute"'),
     "prompt": ("vllm:prompt_tokens_total", ""),
@@ -295,19 +287,12 @@ class Servers:
         out = {}
         for name in ("p1", "p2", "d"):
             text = client.get(f"{self.url[name]}/metrics", timeout=30).text
-            out[name] = {k: _metric(text, m, lab) for k, (m, lab) in COUNTERS.items()}
+            out[name] = {k: metric(text, m, lab) for k, (m, lab) in COUNTERS.items()}
         return out
 
     def settled_counters(self, client, timeout_s: float = 15.0) -> dict[str, dict[str, float]]:
         """The counters once two reads 0.5 s apart agree (vLLM's counters lag its answers a little)."""
-        last, deadline = self.counters(client), time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            now = self.counters(client)
-            if now == last:
-                return now
-            last = now
-        return last
+        return settled(lambda: self.counters(client), timeout_s)
 
     def proxy_metrics(self, client, arm: str) -> str:
         return client.get(f"{self.url[arm]}/metrics", timeout=30).text
@@ -333,7 +318,7 @@ class Servers:
                                                                   "max_tokens": 1, "temperature": 0.0}, timeout=60)
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
-            if _metric(self.proxy_metrics(client, "events"), "kv_proxy_prefix_index_blocks") == 0:
+            if metric(self.proxy_metrics(client, "events"), "kv_proxy_prefix_index_blocks") == 0:
                 return ""
             time.sleep(0.2)
         return "the events proxy's index was not empty 10 s after the reset"
