@@ -127,11 +127,12 @@ def e2e_ucm(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     """ruff, import-linter (connector packages independent, kv-common imports none of them), mypy,
-    deptry (each package's src against its own pyproject dependencies)."""
+    deptry (each package's src against its own pyproject dependencies), scripts/check_structure.py."""
     session.install("ruff", "import-linter", "mypy", "deptry", "msgspec")  # msgspec: its Struct typing
     session.install("--no-deps", *(_pkg(p) for p in PACKAGES))
     session.run("ruff", "check", "packages", "tests", "examples", "benchmarks", "noxfile.py")
     session.run("lint-imports")
+    session.run("python", "scripts/check_structure.py")  # no src module over 500 lines, no import circle
     session.run("mypy")  # packages/*/src, settings in pyproject.toml [tool.mypy]
     for package in PACKAGES:  # settings in each package's pyproject.toml [tool.deptry]
         session.run("deptry", f"packages/{package}/src", "--config", f"packages/{package}/pyproject.toml")

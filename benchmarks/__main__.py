@@ -1,6 +1,9 @@
-"""python -m benchmarks [--quick] [--only NAME ...] [--append]: run bench modules, write BENCHMARKS.md.
+"""python -m benchmarks [--quick] [--only NAME ...] [--append]: run the sections, write BENCHMARKS.md.
 
-Without ``--only`` every ``bench_*`` module runs and the whole report is written from this one run:
+A section is a module of an area folder (``p2p/``, ``store/``, ``connectors/``, ``serving/``: every
+package under ``benchmarks/`` whose name has no leading ``_``) that has ``run(quick)`` or ``main()``;
+:data:`SECTIONS` gives each its name (its BENCHMARKS.md markers, what ``--only`` takes) and the
+report's order. Without ``--only`` every section runs and the whole report is written from this one run:
 the summary is generated from the sections' claims (each computed from this run's figures). With
 ``--only`` (or ``--append``, the 3.12 UCM session) the named sections and their summary entries
 replace those of the existing report, each section carrying its own run line (date, machine, mode,
@@ -14,53 +17,45 @@ import datetime
 import importlib
 import os
 import pkgutil
-import re
 import sys
 import time
 import traceback
 
-from benchmarks.report import ROOT, Claim, Section, load_average, machine, table
+from benchmarks._lib.benchmarks_md import run_line, write_report
+from benchmarks._lib.report import ROOT, Claim, Section, load_average, table
 
-# Report order; modules not named here follow in alphabetical order.
-ORDER = [
-    "bench_transfer_raw",
-    "bench_mooncake",
-    "bench_verify_kv",
-    "bench_pull_concurrency",
-    "bench_integrity",
-    "bench_integrity_cost",
-    "bench_store",
-    "bench_store_load",
-    "bench_overhead",
-    "bench_producer_hold",
-    "bench_ttft",
-    "bench_proxy",
-    "bench_pd_goodput",
-    "bench_proxy_routing",
-    "bench_ucm",
-    "bench_ucm_store",
-]
-SUMMARY_END = "<!-- /summary -->"
-SECTIONS_END = "<!-- /sections -->"
-
-
-def _ordered(names: list[str]) -> list[str]:
-    known = [n for n in ORDER if n in names]
-    return known + sorted(n for n in names if n not in ORDER)
+# Section name -> its module under benchmarks/, in report order. The names are those the sections
+# had as flat ``benchmarks/bench_*.py`` modules: BENCHMARKS.md's markers, its run lines, the
+# noxfile's ``--only`` and the docs keep them. A module found in an area but not named here runs
+# under its path (e.g. ``store.new_thing``), after these, in alphabetical order.
+SECTIONS = {
+    "bench_transfer_raw": "p2p.transfer_ceilings",
+    "bench_mooncake": "p2p.pull",
+    "bench_verify_kv": "p2p.verify_kv_cost",
+    "bench_pull_concurrency": "p2p.pull_concurrency",
+    "bench_integrity": "store.integrity_put_get",
+    "bench_integrity_cost": "store.checksum_speed",
+    "bench_store": "store.put_get",
+    "bench_store_load": "store.load_async",
+    "bench_overhead": "connectors.overhead",
+    "bench_producer_hold": "p2p.producer_hold",
+    "bench_ttft": "connectors.ttft",
+    "bench_proxy": "serving.proxy_cost",
+    "bench_pd_goodput": "serving.pd_goodput",
+    "bench_proxy_routing": "serving.proxy_routing",
+    "bench_ucm": "connectors.ttft_ucm",
+    "bench_ucm_store": "store.ucm_put_get",
+}
 
 
-def _anchor(title: str) -> str:
-    return re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
-
-
-def run_line(mode: str, command: str, load_before: float, load_after: float, note: str,
-             started: datetime.datetime | None = None) -> str:
-    now = (started or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC")
-    line = (
-        f"Run {now}, {mode} mode, `{command}`; machine: {machine()}; "
-        f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cores"
-    )
-    return line + (f"; {note}" if note else "")
+def discover() -> dict[str, str]:
+    """Every section found, name -> module path (``area.module``), in report order."""
+    here = ROOT / "benchmarks"
+    areas = [a.name for a in pkgutil.iter_modules([str(here)]) if a.ispkg and not a.name.startswith("_")]
+    found = {f"{a}.{m.name}" for a in areas for m in pkgutil.iter_modules([str(here / a)])
+             if not m.ispkg and not m.name.startswith("_")}
+    named = {name: module for name, module in SECTIONS.items() if module in found}
+    return named | {module: module for module in sorted(found - set(SECTIONS.values()))}
 
 
 def as_section(module, result) -> Section:
@@ -97,78 +92,11 @@ def from_main(module, quick: bool) -> Section:
                    notes=["printed by the module's own main() (it builds no Section): no generated findings"])
 
 
-def section_block(name: str, s: Section) -> str:
-    out = [f"<!-- section:{name} -->", f"## {s.title}", "", f"_{s.run_line}_", ""]
-    if s.summary:
-        out += [s.summary, ""]
-    out += [f"![{s.title}]({p})" for p in s.plots] + ([""] if s.plots else [])
-    if s.claims:
-        out += ["Findings of this run (generated from the figures below):", ""]
-        out += [f"- {c.markdown()}" for c in s.claims] + [""]
-    for t in s.tables:
-        out += [t, ""]
-    out += [f"- {n}" for n in s.notes] + ["", f"<!-- /section:{name} -->", ""]
-    return "\n".join(out)
-
-
-def summary_block(name: str, s: Section) -> str:
-    date = s.run_line.split(",")[0].removeprefix("Run ")
-    out = [f"<!-- summary:{name} -->", f"**[{s.title}](#{_anchor(s.title)})** ({date})", ""]
-    claims = s.claims or [Claim("no findings: see the section's notes")]
-    out += [f"- {c.markdown()}" for c in claims] + ["", f"<!-- /summary:{name} -->", ""]
-    return "\n".join(out)
-
-
-def skeleton(head: str) -> str:
-    return "\n".join([
-        "# Benchmarks",
-        "",
-        "Generated by `python -m benchmarks` (`nox -s bench`) from one run; the UCM sections come from",
-        "`nox -s bench-ucm-3.12` (UCM's wheels are Python 3.12 only), run right after it, which replaces",
-        "them in place. Do not edit by hand: every line of the summary is computed from the figures of",
-        "the section it links to, and every section says when, where, in which mode and under which",
-        "load it ran. A section re-run alone (`--only`) carries its own run line.",
-        "",
-        head,
-        "",
-        "## Summary",
-        "",
-        "Targets: P2P pull >= 0.9 of the best raw TransferEngine use for pulls of 1 MiB and up, fixed",
-        "cost per pull <= 0.3 ms; store put / get >= 0.9 of the raw backend with integrity on; no-hit",
-        "overhead <= 2 % with an interval that resolves it; TTFT with a hit <= 0.3 of recompute at 4k",
-        "tokens; P2P TTFT no worse than recompute when P and D have their own cores. vLLM's own Mooncake",
-        "connectors run beside ours where they start here; the P/D goodput section says where 1P1D wins and",
-        "loses against one colocated instance on the same cores (a finding, not a target).",
-        "",
-        SUMMARY_END,
-        "",
-        SECTIONS_END,
-        "",
-    ])
-
-
-def splice(doc: str, kind: str, name: str, block: str, end_marker: str) -> str:
-    pat = re.compile(rf"<!-- {kind}:{re.escape(name)} -->.*?<!-- /{kind}:{re.escape(name)} -->\n*", re.S)
-    if pat.search(doc):
-        return pat.sub(lambda _m: block + "\n", doc, count=1)
-    return doc.replace(end_marker, block + "\n" + end_marker, 1)
-
-
-def write_report(output: str, base_doc: str, head: str, sections: list[tuple[str, Section]]) -> None:
-    """``sections`` spliced into ``base_doc`` (the existing report of a partial run, else empty: a
-    new skeleton under ``head``), written to ``output``."""
-    doc = base_doc if SUMMARY_END in base_doc and SECTIONS_END in base_doc else skeleton(head)
-    for name, s in sections:
-        doc = splice(doc, "summary", name, summary_block(name, s), SUMMARY_END)
-        doc = splice(doc, "section", name, section_block(name, s), SECTIONS_END)
-    with open(output, "w") as fh:
-        fh.write(re.sub(r"\n{3,}", "\n\n", doc))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    parser.add_argument("--only", nargs="*", default=None, help="bench module names, e.g. bench_mooncake")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="section names, e.g. bench_mooncake (or module paths, e.g. p2p.pull)")
     parser.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
     parser.add_argument(
         "--append",
@@ -181,11 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         help="what else ran on the machine (written into every run line)",
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    names = _ordered(
-        [m.name for m in pkgutil.iter_modules([str(ROOT / "benchmarks")]) if m.name.startswith("bench_")]
-    )
+    sections_found = discover()
     if args.only:
-        names = [n for n in names if n in args.only]
+        unknown = set(args.only) - set(sections_found) - set(sections_found.values())
+        if unknown:
+            parser.error(f"no such section: {', '.join(sorted(unknown))} (sections: {', '.join(sections_found)})")
+        sections_found = {n: m for n, m in sections_found.items() if n in args.only or m in args.only}
     mode = "quick" if args.quick else "full"
     command = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
     whole_run = run_line(mode, command.strip(), float("nan"), float("nan"), args.load_note).split("; load")[0]
@@ -206,12 +135,12 @@ def main(argv: list[str] | None = None) -> int:
                 "quote come from a full-mode run (`nox -s bench`) on a quiet machine."
             )
     sections: list[tuple[str, Section]] = []
-    for name in names:
+    for name, module_path in sections_found.items():
         started, load_before = time.monotonic(), load_average()
         started_at = datetime.datetime.now(datetime.timezone.utc)
         print(f"== {name}", flush=True)
         try:
-            module = importlib.import_module(f"benchmarks.{name}")
+            module = importlib.import_module(f"benchmarks.{module_path}")
             if hasattr(module, "run"):
                 section = as_section(module, module.run(quick=args.quick))
             else:  # a standalone script (a main() printing Markdown): its output is the section

@@ -74,7 +74,8 @@ class Instance:
 
 def _pull(decode: Instance, port: int, remote: list[list[int]], local: list[list[int]],
           group_blocks: list[tuple[int, int]], num_blocks: int) -> tuple[set[int], float]:
-    from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
+    from kv_mooncake.params import RemoteSource
+    from kv_mooncake.step import MooncakeStep, PullRequest
 
     source = RemoteSource(engine_id="P", host="127.0.0.1", port=port, request_id="r", block_ids=remote[0],
                           block_ids_by_group=remote)
@@ -93,7 +94,7 @@ def _pull(decode: Instance, port: int, remote: list[list[int]], local: list[list
 def check_p2p_hybrid() -> dict[str, Any]:
     from kv_common.kv_cache_groups import KVGroup
     from kv_mooncake.config import MooncakeConfig
-    from kv_mooncake.metadata import HoldRequest, MooncakeStep
+    from kv_mooncake.step import HoldRequest, MooncakeStep
 
     groups = (KVGroup(0, "full", "FullAttentionSpec", BLOCK, ("l0", "l2")),
               KVGroup(1, "sliding_window", "SlidingWindowSpec", BLOCK, ("l1", "l3"), sliding_window=6))
@@ -133,7 +134,7 @@ def check_p2p_hybrid() -> dict[str, Any]:
 def check_p2p_bulk() -> dict[str, Any]:
     from kv_common.kv_cache_groups import KVGroup
     from kv_mooncake.config import MooncakeConfig
-    from kv_mooncake.metadata import HoldRequest, MooncakeStep
+    from kv_mooncake.step import HoldRequest, MooncakeStep
 
     block_bytes, blocks, layers = 256 << 10, 64, ["l0", "l1"]  # 2 layers x 64 blocks x 256 KiB = 32 MiB
     groups = (KVGroup(0, "full", "FullAttentionSpec", BLOCK, tuple(layers)),)

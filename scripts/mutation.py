@@ -59,14 +59,14 @@ def _tests(*names: str) -> tuple[str, ...]:
 
 
 TARGETS = [
-    Target("kv-mooncake", "kv_mooncake/pull_plan.py",
+    Target("kv-mooncake", "kv_mooncake/pull/plan.py",
            _tests("test_pull_plan_mutants", "test_pull_plan", "test_kv_layouts")),
-    Target("kv-mooncake", "kv_mooncake/delayed_free.py",
+    Target("kv-mooncake", "kv_mooncake/hold/ledger.py",
            _tests("test_delayed_free_mutants", "test_delayed_free", "test_hold_protocol_model", "test_hold_protocol")),
-    Target("kv-mooncake", "kv_mooncake/fingerprint.py",
-           _tests("test_fingerprint_mutants", "test_fingerprint_pinned", "test_handshake_fingerprint")),
-    Target("kv-mooncake", "kv_mooncake/prompt_identity.py",
-           _tests("test_prompt_identity_mutants", "test_prompt_identity", "test_transfer_params")),
+    # What must match (fingerprint, prompt digest, KV digest): one module since the rooms (issue 43).
+    Target("kv-mooncake", "kv_mooncake/identity.py",
+           _tests("test_fingerprint_mutants", "test_prompt_identity_mutants", "test_fingerprint_pinned",
+                  "test_handshake_fingerprint", "test_prompt_identity", "test_transfer_params", "test_pull_isolation")),
     Target("kv-store", "kv_store/codec.py",
            _tests("test_codec_mutants", "test_store_integrity", "test_store_parts", "test_store_kv_layout")),
     Target("kv-store", "kv_store/keys.py",

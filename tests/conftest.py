@@ -89,7 +89,7 @@ def mooncake_leaks(port: int, timeout_s: float = 30.0, host: str = "127.0.0.1") 
     """A MooncakeConnectorV1 rank's leak report (``kv_mooncake.worker.query_leaks``). A prefill
     whose engine loop spins while it holds blocks may answer its side channel late on a loaded
     machine: ask again until ``timeout_s`` rather than fail the test on one late answer."""
-    from kv_mooncake.side_channel import SideChannelTimeout
+    from kv_mooncake.errors import SideChannelTimeout
     from kv_mooncake.worker import query_leaks
 
     deadline = time.monotonic() + timeout_s

@@ -32,7 +32,7 @@ from conftest import mooncake_leaks  # noqa: E402
 from kv_common.testing import EngineProcess, assert_same_tokens  # noqa: E402
 from kv_common.testing.ports import free_port  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
-from kv_mooncake.prompt_identity import prompt_digest  # noqa: E402
+from kv_mooncake.identity import prompt_digest
 from test_e2e_proxy import Process  # noqa: E402  # one README command in its own process group
 
 pytestmark = pytest.mark.e2e

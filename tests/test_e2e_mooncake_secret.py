@@ -58,14 +58,14 @@ def _forward(params: list[dict]) -> list[dict]:
 
 
 def _auth():
-    from kv_mooncake.side_channel_auth import SideChannelAuth
+    from kv_mooncake.wire.seal import SideChannelAuth
 
     return SideChannelAuth(SECRET.encode(), source=SECRET_ENV)
 
 
 def _leaks(port: int, timeout_s: float = 30.0) -> dict:
     """P's leak report, asked with the secret (a loaded prefill may answer late: ask again)."""
-    from kv_mooncake.side_channel import SideChannelTimeout
+    from kv_mooncake.errors import SideChannelTimeout
     from kv_mooncake.worker import query_leaks
 
     deadline = time.monotonic() + timeout_s
@@ -109,8 +109,9 @@ def _prefill(engine: EngineProcess, prompts: list[list[int]]) -> list[dict]:
 
 
 def test_decode_with_the_secret_pulls_and_a_stranger_frees_nothing(engines, monkeypatch):
-    from kv_mooncake import protocol as P
-    from kv_mooncake import side_channel
+    from kv_mooncake.errors import SideChannelError
+    from kv_mooncake.wire import client as side_channel
+    from kv_mooncake.wire import messages as P
     from kv_mooncake.worker import query_leaks
 
     monkeypatch.delenv("KV_SECRET", raising=False)
@@ -121,12 +122,12 @@ def test_decode_with_the_secret_pulls_and_a_stranger_frees_nothing(engines, monk
     held = _wait(P_PORT, lambda r: r["held_requests"] >= 3)
     assert held["held_requests"] == 3
     # A stranger on the same host: no leak report, and its FreeNow / PullDone free nothing.
-    with pytest.raises(side_channel.SideChannelError, match="not authenticated"):
+    with pytest.raises(SideChannelError, match="not authenticated"):
         query_leaks(f"127.0.0.1:{P_PORT}", timeout_s=5.0)
     for prm in params:
         for message in (P.FreeNow(request_id=prm["remote_request_id"]),
                         P.PullDone(request_id=prm["remote_request_id"], reader_id="stranger", ok=True)):
-            with pytest.raises(side_channel.SideChannelError, match="not authenticated"):
+            with pytest.raises(SideChannelError, match="not authenticated"):
                 side_channel.request(f"127.0.0.1:{P_PORT}", message, P.REPLY_TYPES, 5.0)
     assert _leaks(P_PORT)["held_requests"] == 3  # every hold survived
     out = d.generate(prompts, _forward(params))
@@ -137,8 +138,8 @@ def test_decode_with_the_secret_pulls_and_a_stranger_frees_nothing(engines, monk
 
 
 def test_decode_without_the_secret_recomputes_and_keeps_serving(engines):
-    from kv_mooncake import protocol as P
-    from kv_mooncake import side_channel
+    from kv_mooncake.wire import client as side_channel
+    from kv_mooncake.wire import messages as P
 
     p, n = engines["p"], engines["n"]
     prompts = _prompts(2, seed=2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import socket
 
-from kv_mooncake.side_channel import split_address
-from kv_mooncake.side_channel_wire import GREETING, FrameReader, frame
+from kv_mooncake.wire.connection import split_address
+from kv_mooncake.wire.framing import GREETING, FrameReader, frame
 
 # A reply that must come: waited for generously (a vCPU stalls for a minute now and then here, and
 # a server thread can starve beside pinned engines); it returns as soon as the reply is there.

@@ -1,5 +1,5 @@
-"""Numpy byte ranges of a pull (``address_arrays``): layers laid out alike share one pattern; the
-per-block loop of ``decode_puller.transfer_ranges`` is their oracle (``test_kv_layouts``)."""
+"""Numpy byte ranges of a pull (``pull.byte_ranges``): layers laid out alike share one pattern; the
+per-block loop of ``pull.puller.transfer_ranges`` is their oracle (``test_kv_layouts``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 from kv_common.kv_layout import head_span_runs, pair_runs
-from kv_mooncake.address_arrays import merge_contiguous, pull_ranges
-from kv_mooncake.local_cache import LocalCache
-from kv_mooncake.pull_errors import PullFailed
-from kv_mooncake.pull_plan import HeadSpan
+from kv_mooncake.errors import PullFailed
+from kv_mooncake.kv_regions import LocalCache
+from kv_mooncake.pull.byte_ranges import merge_contiguous, pull_ranges
+from kv_mooncake.pull.plan import HeadSpan
 
 
 def _runs(lp, rp, span):

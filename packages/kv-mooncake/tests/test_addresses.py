@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 from kv_common.testing.ports import free_port
 from kv_mooncake.config import MooncakeConfig
-from kv_mooncake.metadata import MooncakeStep, PullRequest, RemoteSource
+from kv_mooncake.params import RemoteSource
 from kv_mooncake.scheduler import MooncakeScheduler
+from kv_mooncake.step import MooncakeStep, PullRequest
 
 # 127.0.0.2 is this machine's (all of 127/8 is loopback on Linux) but never the old default.
 OTHER_LOCAL = "127.0.0.2"
@@ -72,7 +73,7 @@ def test_the_worker_listens_on_and_advertises_the_default_address(monkeypatch):
 
 def test_an_address_that_cannot_be_bound_names_the_settings(monkeypatch):
     from conftest import FakeTransferEngine
-    from kv_mooncake.side_channel import SideChannelError
+    from kv_mooncake.errors import SideChannelError
     from kv_mooncake.worker import LocalCache, MooncakeWorker
 
     monkeypatch.setenv("VLLM_HOST_IP", "192.0.2.213")  # TEST-NET-1: not this machine's
@@ -146,7 +147,7 @@ def test_a_pull_to_an_address_where_nothing_listens_fails_at_once(caplog):
 
 
 def test_the_probe_names_a_refusal_and_keeps_its_verdict_briefly():
-    from kv_mooncake.peer_health import ReachabilityProbe
+    from kv_mooncake.pull.peers import ReachabilityProbe
 
     now = [0.0]
     probe = ReachabilityProbe(timeout_s=0.5, ttl_s=2.0, clock=lambda: now[0])
@@ -162,9 +163,9 @@ def test_the_probe_names_a_refusal_and_keeps_its_verdict_briefly():
 
 
 def test_the_probe_reads_an_address_as_the_side_channel_does():
-    """One reading of 'host:port' (``side_channel.split_address``): what the side channel would
+    """One reading of 'host:port' (``wire.split_address``): what the side channel would
     connect to is what the probe tries, and what it refuses the probe names as not HOST:PORT."""
-    from kv_mooncake.peer_health import ReachabilityProbe
+    from kv_mooncake.pull.peers import ReachabilityProbe
 
     probe = ReachabilityProbe(timeout_s=0.5)
     with socket.socket() as listener:
@@ -179,7 +180,7 @@ def test_the_probe_reads_an_address_as_the_side_channel_does():
 
 def test_a_slow_address_is_not_a_verdict():
     """A connect that times out (a loaded or far peer) leaves the pull to its own deadline."""
-    from kv_mooncake.peer_health import ReachabilityProbe
+    from kv_mooncake.pull.peers import ReachabilityProbe
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

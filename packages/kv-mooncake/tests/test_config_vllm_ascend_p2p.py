@@ -6,8 +6,13 @@ import logging
 
 import pytest
 from kv_common.config import ConnectorConfigError
-from kv_mooncake.config import MooncakeConfig, ParallelSizes, parse_config
-from kv_mooncake.declared_layout import peer_layout_contradiction, start_up_contradictions
+from kv_mooncake.config import (
+    MooncakeConfig,
+    ParallelSizes,
+    parse_config,
+    peer_layout_contradiction,
+    start_up_contradictions,
+)
 
 # docs/source/tutorials/features/pd_disaggregation_mooncake_single_node.md (vllm-ascend)
 DOCUMENTED = {
@@ -106,7 +111,7 @@ def test_a_declared_layer_partition_must_parse_and_match_the_declared_stages():
 def _decode_request(remote_tp_size: int):
     from types import SimpleNamespace
 
-    from kv_mooncake.prompt_identity import PARAM_KEY, prompt_digest
+    from kv_mooncake.identity import PARAM_KEY, prompt_digest
 
     prompt = list(range(40))
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1", "remote_port": 1,

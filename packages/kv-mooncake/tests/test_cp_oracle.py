@@ -1,6 +1,6 @@
 """An oracle for the pull plan that is not the plan: where vLLM 0.32 puts token t of a request.
 
-``VllmPlacement`` is written from vLLM 0.32's own code, not from ``pull_plan``:
+``VllmPlacement`` is written from vLLM 0.32's own code, not from ``pull.plan``:
 
 * slot of token ``pos`` on a rank: ``vllm/v1/worker/block_table.py`` ``ComputeSlotMappingKernel``
   (a Triton kernel, so transcribed here): virtual blocks of ``block_size * dcp`` tokens, token
@@ -30,8 +30,10 @@ import random
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from kv_mooncake.fingerprint import unsupported_settings
-from kv_mooncake.pull_plan import DecodeLayout, PlanError, PrefillLayout, plan_pulls, request_seed
+from kv_mooncake.errors import PlanError
+from kv_mooncake.identity import unsupported_settings
+from kv_mooncake.pull.plan import plan_pulls, request_seed
+from kv_mooncake.rank_layout import DecodeLayout, PrefillLayout
 
 torch = pytest.importorskip("torch")
 vllm_utils = pytest.importorskip("vllm.v1.attention.backends.utils")

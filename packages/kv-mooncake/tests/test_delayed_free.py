@@ -5,7 +5,7 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_mooncake.delayed_free import DelayedFreeTracker
+from kv_mooncake.hold.ledger import DelayedFreeTracker
 
 
 class FakeClock:

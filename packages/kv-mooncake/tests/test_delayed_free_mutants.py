@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from kv_mooncake.delayed_free import DelayedFreeTracker, HeldBlocks
+from kv_mooncake.hold.ledger import DelayedFreeTracker, HeldBlocks
 
 T0 = 1000.0
 
@@ -300,7 +300,7 @@ def test_only_an_expiry_is_logged_as_a_warning(tracker, caplog):
     tracker.hold("gone", 1, ttl_s=1)
     tracker.hold("read", 1, ttl_s=10)
     tracker.hold("stopped", 1, ttl_s=10)
-    with caplog.at_level("WARNING", logger="kv_mooncake.delayed_free"):
+    with caplog.at_level("WARNING", logger="kv_mooncake.hold.ledger"):
         tracker.expire(T0 + 1)
         tracker.done("read", "a")
         tracker.abort("stopped")

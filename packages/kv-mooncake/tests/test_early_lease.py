@@ -3,8 +3,8 @@ the prefill says it has held a request's blocks."""
 
 from __future__ import annotations
 
-from kv_mooncake.delayed_free import DelayedFreeTracker, HeldBlocks
-from kv_mooncake.early_lease import lease_covers_read
+from kv_mooncake.hold.ledger import DelayedFreeTracker, HeldBlocks
+from kv_mooncake.pull.lease import lease_covers_read
 
 
 def test_a_read_counts_only_if_the_blocks_were_held_before_it_began():

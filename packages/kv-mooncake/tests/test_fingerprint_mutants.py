@@ -4,7 +4,7 @@ setting named. Written against the survivors of the mutation run (docs/mutation-
 from __future__ import annotations
 
 import pytest
-from kv_mooncake.fingerprint import unsupported_settings
+from kv_mooncake.identity import unsupported_settings
 
 
 def fp(pp: int = 1, dcp: int = 1, pcp: int = 1, block: int = 16, interleave: int = 1) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from kv_common.testing.fake_vllm_config import PINNED_CONFIGS, fake_vllm_config
-from kv_mooncake.fingerprint import config_fingerprint
+from kv_mooncake.identity import config_fingerprint
 
 # model_weights: none of these paths is on disk or in the hub cache (kv_common.model_identity)
 _ONE_RANK = {"tp_size": 1, "pcp_size": 1, "dcp_size": 1, "pipeline_parallel_size": 1, "use_mla": False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kv_mooncake.first_contact import FirstContact
+from kv_mooncake.engine.peer_budgets import FirstContact
 
 
 class FakeProbe:

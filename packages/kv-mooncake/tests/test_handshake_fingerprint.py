@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import FakeTransferEngine  # noqa: E402
-from kv_mooncake import protocol as P  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
-from kv_mooncake.fingerprint import config_fingerprint, unsupported_settings  # noqa: E402
-from kv_mooncake.pull_plan import PrefillLayout  # noqa: E402
-from kv_mooncake.worker import MooncakeWorker  # noqa: E402
+from kv_mooncake.identity import config_fingerprint, unsupported_settings
+from kv_mooncake.rank_layout import PrefillLayout
+from kv_mooncake.wire import messages as P
+from kv_mooncake.worker import MooncakeWorker
 
 HEADS, HEAD = 4, 8
 

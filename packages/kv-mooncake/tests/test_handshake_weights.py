@@ -13,11 +13,11 @@ from conftest import FakeTransferEngine  # noqa: E402
 from kv_common.testing.fake_vllm_config import fake_vllm_config  # noqa: E402
 from kv_common.testing.model_weights import copy_model, rewrite_weights_in_place  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
-from kv_mooncake import protocol as P  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
-from kv_mooncake.fingerprint import config_fingerprint  # noqa: E402
-from kv_mooncake.pull_plan import PrefillLayout  # noqa: E402
-from kv_mooncake.worker import MooncakeWorker  # noqa: E402
+from kv_mooncake.identity import config_fingerprint
+from kv_mooncake.rank_layout import PrefillLayout
+from kv_mooncake.wire import messages as P
+from kv_mooncake.worker import MooncakeWorker
 
 HEADS, HEAD = 4, 32
 

@@ -12,10 +12,11 @@ import time
 import pytest
 from conftest import FakeTransferEngine
 from kv_common.testing.ports import free_port
-from kv_mooncake import protocol as P
 from kv_mooncake.config import MooncakeConfig
-from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource
-from kv_mooncake.pull_plan import DecodeLayout, PrefillLayout, PrefillRank
+from kv_mooncake.params import RemoteSource
+from kv_mooncake.rank_layout import DecodeLayout, PrefillLayout, PrefillRank
+from kv_mooncake.step import HoldRequest, MooncakeStep, PullRequest
+from kv_mooncake.wire import messages as P
 from kv_mooncake.worker import LocalCache, MooncakeWorker
 
 SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
@@ -181,7 +182,7 @@ def test_a_request_waiting_on_the_decode_keeps_its_hold_alive():
 def test_keep_alive_is_capped():
     """A decode that keeps accepting but never pulls cannot hold prefill memory forever."""
     clock = [0.0]
-    from kv_mooncake.delayed_free import DelayedFreeTracker
+    from kv_mooncake.hold.ledger import DelayedFreeTracker
 
     freed: list[tuple[str, str]] = []
     tracker = DelayedFreeTracker(lambda r, why: freed.append((r, why)), clock=lambda: clock[0])

@@ -19,11 +19,11 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
-from kv_mooncake import protocol as P  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
-from kv_mooncake.delayed_free import DelayedFreeTracker  # noqa: E402
-from kv_mooncake.metadata import HoldRequest, MooncakeStep  # noqa: E402
-from kv_mooncake.worker import MooncakeWorker  # noqa: E402
+from kv_mooncake.hold.ledger import DelayedFreeTracker
+from kv_mooncake.step import HoldRequest, MooncakeStep
+from kv_mooncake.wire import messages as P
+from kv_mooncake.worker import MooncakeWorker
 
 REQUESTS = ("r0", "r1", "r2")
 EXPECTED = {"r0": 1, "r1": 2, "r2": 2}  # decode ranks that read each request from this prefill rank

@@ -17,9 +17,10 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_mooncake.config import MooncakeConfig
-from kv_mooncake.metadata import MooncakeStep, RemoteSource
-from kv_mooncake.prompt_identity import prompt_digest
+from kv_mooncake.identity import prompt_digest
+from kv_mooncake.params import RemoteSource
 from kv_mooncake.scheduler import MooncakeScheduler
+from kv_mooncake.step import MooncakeStep
 
 # What this test calls sane, independently of the module's constants (checked against them below).
 MAX_RANKS = 256  # tp * pcp of one prefill instance: one FreeNow / keep-alive per rank
@@ -144,7 +145,7 @@ def test_any_params_end_as_a_bounded_pull_or_a_local_computation(case, block_siz
 
 
 def test_the_test_bounds_are_the_modules():
-    from kv_mooncake import transfer_params as tp
+    from kv_mooncake import params as tp
 
     assert (tp.MAX_PREFILL_RANKS, tp.MAX_ID_CHARS, tp.MAX_BLOCK_ID) == (MAX_RANKS, MAX_ID_CHARS, MAX_BLOCK_ID)
 

@@ -22,22 +22,15 @@ kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
 
 from conftest import FakeTransferEngine  # noqa: E402
 from kv_common.kv_cache_groups import KVGroup, UnsupportedKVGroup, kv_groups  # noqa: E402
-from kv_mooncake import protocol as P  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
-from kv_mooncake.fingerprint import group_layouts  # noqa: E402
-from kv_mooncake.local_cache import check_kv_cache_groups  # noqa: E402
-from kv_mooncake.prompt_identity import prompt_digest  # noqa: E402
-from kv_mooncake.pull_plan import (  # noqa: E402
-    DecodeLayout,
-    PrefillLayout,
-    PrefillRank,
-    group_blocks_to_pull,
-    group_readers_per_prefill_rank,
-    plan_group_pulls,
-)
+from kv_mooncake.identity import group_layouts, prompt_digest
+from kv_mooncake.kv_regions import check_kv_cache_groups
+from kv_mooncake.params import MAX_KV_GROUPS, group_blocks_to_pull, pull_problem, read_transfer_params
+from kv_mooncake.pull.plan import group_readers_per_prefill_rank, plan_group_pulls
+from kv_mooncake.rank_layout import DecodeLayout, PrefillLayout, PrefillRank
 from kv_mooncake.scheduler import MooncakeScheduler  # noqa: E402
-from kv_mooncake.transfer_params import MAX_KV_GROUPS, pull_problem, read_transfer_params  # noqa: E402
-from kv_mooncake.worker import MooncakeWorker  # noqa: E402
+from kv_mooncake.wire import messages as P
+from kv_mooncake.worker import MooncakeWorker
 
 HEADS, HEAD = 2, 8
 

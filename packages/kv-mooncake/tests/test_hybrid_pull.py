@@ -14,8 +14,9 @@ pytest.importorskip("mooncake.engine")
 
 from kv_common.kv_cache_groups import KVGroup  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
-from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource  # noqa: E402
-from kv_mooncake.worker import LocalCache, MooncakeWorker  # noqa: E402
+from kv_mooncake.params import RemoteSource
+from kv_mooncake.step import HoldRequest, MooncakeStep, PullRequest
+from kv_mooncake.worker import LocalCache, MooncakeWorker
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 BLOCK, NUM_BLOCKS, BLOCK_BYTES, HEADS = 4, 32, 1024, 2

@@ -18,11 +18,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import FakeTransferEngine  # noqa: E402
-from kv_mooncake import protocol as P  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
-from kv_mooncake.metadata import PullRequest, RemoteSource  # noqa: E402
-from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, plan_pulls, request_seed  # noqa: E402
-from kv_mooncake.worker import MooncakeWorker, PullFailed  # noqa: E402
+from kv_mooncake.errors import PullFailed
+from kv_mooncake.params import RemoteSource
+from kv_mooncake.pull.plan import plan_pulls, request_seed
+from kv_mooncake.rank_layout import DecodeLayout, DecodeRank, PrefillLayout
+from kv_mooncake.step import PullRequest
+from kv_mooncake.wire import messages as P
+from kv_mooncake.worker import MooncakeWorker
 
 HEADS, HEAD, LAYERS = 4, 8, 2
 
@@ -193,12 +196,12 @@ def test_prefill_parallel_sizes_must_match_kv_transfer_params():
 @pytest.mark.parametrize("layout,logical,kernel", CASES)
 @pytest.mark.parametrize("decode_tp", [1, 2])
 def test_numpy_ranges_equal_the_per_block_loop(layout, logical, kernel, decode_tp):
-    """Issue 25: large pulls get their byte ranges from numpy (``address_arrays``); the per-block
+    """Issue 25: large pulls get their byte ranges from numpy (``pull.byte_ranges``); the per-block
     Python loop of ``transfer_ranges`` is the oracle: the same ranges, in the same order, merged
     alike (scattered blocks and runs of consecutive ones on both sides), or the same refusal."""
     import random
 
-    from kv_mooncake.decode_puller import transfer_ranges
+    from kv_mooncake.pull.byte_ranges import transfer_ranges
 
     use_mla = layout == "mla"
     ratio = logical // kernel

@@ -15,9 +15,10 @@ pytest.importorskip("mooncake.engine")
 
 from kv_common.testing.ports import free_port  # noqa: E402
 from kv_mooncake.config import MooncakeConfig, parse_config  # noqa: E402
-from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource  # noqa: E402
-from kv_mooncake.pull_plan import PrefillLayout, PrefillRank  # noqa: E402
-from kv_mooncake.worker import LocalCache, MooncakeWorker  # noqa: E402
+from kv_mooncake.params import RemoteSource
+from kv_mooncake.rank_layout import PrefillLayout, PrefillRank
+from kv_mooncake.step import HoldRequest, MooncakeStep, PullRequest
+from kv_mooncake.worker import LocalCache, MooncakeWorker
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 NUM_BLOCKS, BLOCK_BYTES, HEADS, NUM_LAYERS = 16, 2048, 4, 3

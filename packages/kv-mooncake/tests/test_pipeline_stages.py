@@ -1,7 +1,7 @@
 """A pipeline-parallel prefill: the stage math and the per-stage pull plan, against an oracle that is
 not the plan.
 
-``VllmPipelinePrefill`` is written from vLLM 0.32, not from ``pipeline_stages`` / ``pull_plan``:
+``VllmPipelinePrefill`` is written from vLLM 0.32, not from ``pipeline_stages`` / ``pull.plan``:
 
 * the layers of stage ``s``: vLLM's own ``get_pp_indices`` (called, with ``VLLM_PP_LAYER_PARTITION``
   set or not); a stage's worker registers the KV caches of those layers only (``PPMissingLayer``
@@ -26,9 +26,9 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from kv_mooncake import protocol as P
+from kv_mooncake.errors import PlanError, StageError
+from kv_mooncake.params import read_transfer_params
 from kv_mooncake.pipeline_stages import (
-    StageError,
     decode_stage_layers,
     layer_index,
     layers_by_stage,
@@ -39,15 +39,9 @@ from kv_mooncake.pipeline_stages import (
     stage_partition,
     waive_stage_fields,
 )
-from kv_mooncake.pull_plan import (
-    DecodeLayout,
-    DecodeRank,
-    PlanError,
-    PrefillLayout,
-    plan_pulls,
-    readers_per_prefill_rank,
-)
-from kv_mooncake.transfer_params import read_transfer_params
+from kv_mooncake.pull.plan import plan_pulls, readers_per_prefill_rank
+from kv_mooncake.rank_layout import DecodeLayout, DecodeRank, PrefillLayout
+from kv_mooncake.wire import messages as P
 
 torch = pytest.importorskip("torch")
 vllm_dist_utils = pytest.importorskip("vllm.distributed.utils")

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 from kv_mooncake.config import MooncakeConfig
-from kv_mooncake.metadata import MooncakeStep
 from kv_mooncake.scheduler import MooncakeScheduler
+from kv_mooncake.step import MooncakeStep
 
 BLOCK = 16
 
@@ -179,7 +179,7 @@ def test_same_tokens_and_same_identity_are_pulled(variant):
 def test_the_digest_covers_what_vllms_block_hashes_cover():
     """Wherever vLLM's own block hashes tell two requests apart, so does the digest (and it also
     covers the partial last block, which vLLM does not hash)."""
-    from kv_mooncake.prompt_identity import request_digest
+    from kv_mooncake.identity import request_digest
 
     base = _vllm_request("x", PROMPT_C, {})
     assert request_digest(_vllm_request("z", PROMPT_C, {})) == request_digest(base)
@@ -195,9 +195,9 @@ def test_the_prefill_refuses_a_reader_of_another_prompt():
     its own prompt's digest passes the decode's check. The prefill compares the reader's digest with
     the one it computed: the pull is refused (fails alone, the decode recomputes)."""
     from conftest import FakeTransferEngine
-    from kv_mooncake import protocol as P
-    from kv_mooncake.metadata import HoldRequest
-    from kv_mooncake.prompt_identity import prompt_digest
+    from kv_mooncake.identity import prompt_digest
+    from kv_mooncake.step import HoldRequest
+    from kv_mooncake.wire import messages as P
     from kv_mooncake.worker import LocalCache, MooncakeWorker
 
     w = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=True, is_consumer=False, side_channel_port=1,

@@ -7,7 +7,7 @@ import hashlib
 import re
 
 import msgspec
-from kv_mooncake.prompt_identity import prompt_digest, same_prompt
+from kv_mooncake.identity import prompt_digest, same_prompt
 
 
 def test_the_digest_is_128_bits_of_blake2b_over_framed_little_endian_int64_ids():
@@ -36,7 +36,7 @@ def test_only_an_equal_digest_of_the_same_prompt_is_trusted():
 def test_a_lora_adapter_is_named_by_its_path_too():
     from types import SimpleNamespace
 
-    from kv_mooncake.prompt_identity import request_digest
+    from kv_mooncake.identity import request_digest
 
     def request(path: str) -> SimpleNamespace:
         lora = SimpleNamespace(lora_name="adapter", lora_path=path)
@@ -49,7 +49,7 @@ def test_a_lora_adapter_is_named_by_its_path_too():
 def test_a_prompt_given_as_embeddings_has_no_digest():
     from types import SimpleNamespace
 
-    from kv_mooncake.prompt_identity import request_digest
+    from kv_mooncake.identity import request_digest
 
     # Embeddings beside token ids (placeholders) or instead of them: never pulled.
     assert request_digest(SimpleNamespace(prompt_token_ids=[1, 2], prompt_embeds=object())) is None

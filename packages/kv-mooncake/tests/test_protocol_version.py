@@ -10,9 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kv_mooncake import protocol as P  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
-from kv_mooncake.worker import MooncakeWorker  # noqa: E402
+from kv_mooncake.wire import messages as P
+from kv_mooncake.worker import MooncakeWorker
 
 HEADS, HEAD = 4, 8
 
@@ -62,7 +62,7 @@ def test_the_decode_refuses_a_prefill_of_another_protocol_by_name():
     reply = prefill.handle(P.Handshake(engine_id="P", compatibility=decode.compatibility, reader_id="d"))
     assert isinstance(reply, P.HandshakeReply)
     older = msgspec.structs.replace(reply, compatibility=_speaking(reply.compatibility, P.PROTOCOL_VERSION + 1))
-    # The check the decode runs on every handshake reply (kv_mooncake.prefill_messenger).
+    # The check the decode runs on every handshake reply (kv_mooncake.pull.messenger).
     assert decode.compatibility.differences(_over_the_wire(older).compatibility) == [
         f"prefill speaks kv-mooncake protocol {P.PROTOCOL_VERSION + 1}, this decode {P.PROTOCOL_VERSION}"]
 

@@ -28,7 +28,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kv_common.testing.ports import free_port
-from kv_mooncake import protocol as P
 from kv_mooncake.proxy.app import build_app, prefill_request_body
 from kv_mooncake.proxy.balancer import InstancePool, estimate_prompt_tokens
 from kv_mooncake.proxy.config import ProxyConfig, parse_args
@@ -44,7 +43,8 @@ from kv_mooncake.proxy.operations import (
 from kv_mooncake.proxy.prefix_index import PrefixIndex, PromptKeys, prefill_credit, prompt_keys
 from kv_mooncake.proxy.release import side_channel_addresses
 from kv_mooncake.proxy.routing import choose_path, request_path, token_id_prompt
-from kv_mooncake.side_channel import SideChannelServer
+from kv_mooncake.wire import messages as P
+from kv_mooncake.wire.server import SideChannelServer
 
 # Bound of every wait in these tests. The upstreams are local and instant, but a loaded CI machine
 # stalls threads for seconds: a wait only lasts this long when the test fails anyway.
@@ -582,6 +582,36 @@ def test_least_outstanding_tokens_with_round_robin_on_ties():
         pool.mark_down(x, "test")
     assert pool.pick(exclude=["a"]) is not None  # all out: still tried rather than refused
     assert pool.pick(exclude=["a", "b", "c"]) is None
+
+
+def test_take_picks_and_acquires_in_one_call():
+    from kv_mooncake.proxy.metrics import ProxyMetrics
+    from kv_mooncake.proxy.upstreams import Upstreams
+
+    config = ProxyConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1", "http://d:2"))
+    up = Upstreams(config, ProxyMetrics())
+    first = up.take("decode", 100)
+    assert first is not None and first.url == "http://d:1"
+    assert (first.outstanding_tokens, first.in_flight) == (100, 1)
+    second = up.take("decode", 10, exclude=[first.url])
+    assert second is not None and second.url == "http://d:2"
+    assert up.take("decode", 1, exclude=["http://d:1", "http://d:2"]) is None
+    up.release(first, 100)
+    assert (first.outstanding_tokens, first.in_flight) == (0, 0)
+    assert up.urls("decode") == {"http://d:1", "http://d:2"}
+    up.failed(second, "connect", "refused")  # out after one failure, back in after one success
+    assert not second.healthy and second.last_error == "connect: refused"
+    up.succeeded(second)
+    assert second.healthy and second.last_error == ""
+
+
+def test_kv_events_without_pyzmq_names_the_proxy_extra():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['zmq'] = None; import kv_mooncake.proxy.kv_events"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT_S)
+    assert out.returncode != 0 and "pip install 'kv-mooncake[proxy]'" in out.stderr, out.stderr
 
 
 def test_prompt_estimate():

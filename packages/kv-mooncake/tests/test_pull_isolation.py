@@ -18,9 +18,10 @@ pytest.importorskip("mooncake.engine")
 
 from kv_common.testing.ports import free_port  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
-from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest, RemoteSource  # noqa: E402
-from kv_mooncake.side_channel import SideChannelError  # noqa: E402
-from kv_mooncake.worker import LocalCache, MooncakeWorker  # noqa: E402
+from kv_mooncake.errors import SideChannelError
+from kv_mooncake.params import RemoteSource
+from kv_mooncake.step import HoldRequest, MooncakeStep, PullRequest
+from kv_mooncake.worker import LocalCache, MooncakeWorker
 from wrapped_engine import WrappedEngine  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -271,7 +272,7 @@ class KeptEngine:
     address (a pinned port), and the first boot's memory stays readable, as reused memory would."""
 
     def __init__(self) -> None:
-        from kv_mooncake.transfer_engine import MooncakeTransferEngine
+        from kv_mooncake.engine.transfer_engine import MooncakeTransferEngine
 
         self.engine = MooncakeTransferEngine()
         self.rpc_address = self.engine.rpc_address

@@ -5,17 +5,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from kv_mooncake.pull_plan import (
-    DecodeLayout,
-    DecodeRank,
-    PlanError,
-    PrefillLayout,
+from kv_mooncake.errors import PlanError
+from kv_mooncake.pull.plan import (
     expected_done_count,
     heads_of_rank,
     plan_pulls,
     readers_per_prefill_rank,
     request_seed,
 )
+from kv_mooncake.rank_layout import DecodeLayout, DecodeRank, PrefillLayout
 
 SIZES = st.integers(1, 16)
 

@@ -8,13 +8,9 @@ import dataclasses
 import zlib
 
 import pytest
-from kv_mooncake.pull_plan import (
-    DecodeLayout,
-    DecodeRank,
+from kv_mooncake.errors import PlanError
+from kv_mooncake.pull.plan import (
     HeadSpan,
-    PlanError,
-    PrefillLayout,
-    PrefillRank,
     RankPull,
     expected_done_count,
     heads_of_rank,
@@ -22,6 +18,7 @@ from kv_mooncake.pull_plan import (
     readers_per_prefill_rank,
     request_seed,
 )
+from kv_mooncake.rank_layout import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
 
 
 def test_ranks_and_their_side_channel_offsets():

@@ -1,4 +1,4 @@
-"""When a reply reached this host (receive_stamp): the kernel's stamp, bounded by when its request
+"""When a reply reached this host (wire.connection): the kernel's stamp, bounded by when its request
 went out and when a thread saw it, and not used once the wall clock moved."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import time
 
 import msgspec
 import pytest
-from kv_mooncake import receive_stamp
-from kv_mooncake.receive_stamp import MARGIN_S, MAX_OFFSET_DRIFT_NS, arrival
-from kv_mooncake.side_channel import SideChannelClient, SideChannelServer
+from kv_mooncake.wire import connection
+from kv_mooncake.wire.client import SideChannelClient
+from kv_mooncake.wire.connection import MARGIN_S, MAX_OFFSET_DRIFT_NS, SO_TIMESTAMPNS, arrival, wall_offset_ns
+from kv_mooncake.wire.server import SideChannelServer
 
 SECOND_NS = 1_000_000_000
 OFFSET = 1_700_000_000 * SECOND_NS  # wall clock minus monotonic clock
@@ -61,8 +62,8 @@ def test_a_pause_between_the_clock_reads_does_not_move_the_offset(monkeypatch, p
     # request's and the reply's offsets then differed by more than MAX_OFFSET_DRIFT_NS, and every
     # stamp on a loaded machine was thrown away (seen with three test sessions on two cores).
     clocks = PausingClocks(pause_at, pause_ns=2_000_000)
-    monkeypatch.setattr(receive_stamp, "time", clocks)
-    offset = receive_stamp.wall_offset_ns()
+    monkeypatch.setattr(connection, "time", clocks)
+    offset = wall_offset_ns()
     assert OFFSET - MAX_OFFSET_DRIFT_NS // 4 <= offset <= OFFSET  # never above: stamps land later, not earlier
 
 
@@ -96,7 +97,7 @@ def test_a_reply_read_late_is_dated_when_it_arrived():
                     time.sleep(0.2)  # the reply comes in well under a millisecond, and waits
                     assert pending.wait(5.0) == Pong()
                     read_at = time.monotonic()
-                    drift = abs(receive_stamp.wall_offset_ns() - pending.offset_at_send_ns)
+                    drift = abs(wall_offset_ns() - pending.offset_at_send_ns)
                     stamped = link is not None and link.received_ns != 0 and drift <= MAX_OFFSET_DRIFT_NS
                     tries += 1
                     if stamped:
@@ -108,4 +109,4 @@ def test_a_reply_read_late_is_dated_when_it_arrived():
             finally:
                 client.close()
     assert dated_by_stamp > tries // 2, f"{dated_by_stamp} of {tries} replies had a usable stamp"
-    assert receive_stamp.SO_TIMESTAMPNS is not None
+    assert SO_TIMESTAMPNS is not None

@@ -8,16 +8,12 @@ import msgspec
 import pytest
 import zmq
 from kv_common.testing.freeze import freeze
-from kv_mooncake import side_channel
-from kv_mooncake.side_channel import (
-    ErrorReply,
-    SideChannelClient,
-    SideChannelError,
-    SideChannelServer,
-    SideChannelTimeout,
-    open_socket_count,
-    request,
-)
+from kv_mooncake.errors import SideChannelError, SideChannelRefused, SideChannelTimeout
+from kv_mooncake.wire import server as server_module
+from kv_mooncake.wire.client import SideChannelClient, request
+from kv_mooncake.wire.connection import open_socket_count
+from kv_mooncake.wire.messages import PROTOCOL_VERSION, ErrorReply, MessageCodec, open_envelope
+from kv_mooncake.wire.server import SideChannelServer
 from raw_side_channel import RawConnection, RawServer, raw_exchange
 
 
@@ -101,7 +97,7 @@ class socket_port:
 
 def test_oversize_request_is_refused_by_name_and_server_keeps_serving(server, caplog):
     big = Blob(b"x" * 10_000)  # beyond the server's 4096-byte limit
-    with caplog.at_level(logging.WARNING, logger="kv_mooncake.side_channel"), \
+    with caplog.at_level(logging.WARNING, logger="kv_mooncake.wire"), \
             pytest.raises(SideChannelError, match="message too large"):
         request(server.address, big, (Pong,), timeout_s=5, max_message_bytes=1 << 20)
     assert any("10" in r.getMessage() and "limit 4096" in r.getMessage() for r in caplog.records)
@@ -124,7 +120,7 @@ def test_reply_too_large_becomes_error_reply():
 
 
 def test_malformed_bytes_get_error_reply_and_one_warning(server, caplog):
-    with caplog.at_level(logging.WARNING, logger="kv_mooncake.side_channel"):
+    with caplog.at_level(logging.WARNING, logger="kv_mooncake.wire"):
         reply = raw_exchange(server.address, b"\xc1\xff not msgpack")
     decoded = msgspec.msgpack.decode(reply, type=ErrorReply)
     assert "undecodable" in decoded.message
@@ -135,14 +131,55 @@ def test_malformed_bytes_get_error_reply_and_one_warning(server, caplog):
 
 
 def test_wrong_struct_type_is_rejected(server):
-    # Valid msgpack of a type the server does not accept: rejected, never constructed.
-    reply = raw_exchange(server.address, msgspec.msgpack.encode(Pong("sneaky")))
+    # A well-formed envelope of a type the server does not accept: rejected, never constructed.
+    reply = raw_exchange(server.address, MessageCodec.encode(Pong("sneaky")))
     assert "undecodable" in msgspec.msgpack.decode(reply, type=ErrorReply).message
     assert request(server.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
 
 
+@pytest.mark.parametrize("sent, theirs", [
+    (msgspec.msgpack.encode(Ping("no envelope")), "no envelope (protocol 2 or older)"),
+    (msgspec.msgpack.encode((PROTOCOL_VERSION + 1, Ping("newer"))), f"protocol {PROTOCOL_VERSION + 1}"),
+])
+def test_a_message_of_another_protocol_version_is_refused_by_name_before_its_body_is_read(server, sent, theirs):
+    """The version is read first (the envelope), the body only when it is ours: another release's
+    message is refused naming both versions, in a bare reply that release can read."""
+    reply = msgspec.msgpack.decode(raw_exchange(server.address, sent), type=ErrorReply)
+    assert f"this side channel speaks protocol {PROTOCOL_VERSION}, the message {theirs}" in reply.message
+    assert request(server.address, Ping("ok"), (Pong,), timeout_s=5) == Pong("OK")
+
+
+def test_a_reply_of_another_protocol_version_is_a_refusal_naming_it():
+    """The client's side: a peer answering in another version's envelope is refused for good
+    (SideChannelRefused, no retry), and a bare refusal of an older release is shown as it came."""
+    peer = RawServer()
+    client = SideChannelClient((Pong,))
+    try:
+        def answer(reply: bytes) -> None:
+            conn = peer.accept()
+            assert conn.read() is not None
+            conn.send(reply)
+
+        newer = msgspec.msgpack.encode((PROTOCOL_VERSION + 1, Pong("newer")))
+        t = threading.Thread(target=answer, args=(newer,))
+        t.start()
+        with pytest.raises(SideChannelRefused, match=f"another side-channel protocol .*{PROTOCOL_VERSION + 1}"):
+            client.request(peer.address, Ping("x"), timeout_s=10)
+        t.join()
+        client.forget(peer.address)
+        older = msgspec.msgpack.encode(ErrorReply("undecodable request: Expected `object`, got `array`"))
+        t = threading.Thread(target=answer, args=(older,))
+        t.start()
+        with pytest.raises(SideChannelError, match="Expected `object`, got `array`"):
+            client.request(peer.address, Ping("x"), timeout_s=10)
+        t.join()
+    finally:
+        client.close()
+        peer.close()
+
+
 def test_a_connection_that_is_not_a_side_channel_is_closed_with_one_warning(server, caplog):
-    with caplog.at_level(logging.WARNING, logger="kv_mooncake.side_channel"):
+    with caplog.at_level(logging.WARNING, logger="kv_mooncake.wire"):
         for _ in range(3):
             with RawConnection.to(server.address, greeting=b"GET / HTTP/1.1\r\n\r\n") as conn:
                 assert conn.closed_by_peer(timeout_s=30)
@@ -176,8 +213,8 @@ def test_peers_of_the_zeromq_side_channel_are_told_apart(server):
 
 
 def test_a_connection_stalled_inside_a_message_is_closed(server, monkeypatch, caplog):
-    monkeypatch.setattr(side_channel, "STALLED_S", 0.2)  # read by the server thread's sweep
-    with caplog.at_level(logging.WARNING, logger="kv_mooncake.side_channel"), \
+    monkeypatch.setattr(server_module, "STALLED_S", 0.2)  # read by the server thread's sweep
+    with caplog.at_level(logging.WARNING, logger="kv_mooncake.wire"), \
             RawConnection.to(server.address) as conn:
         conn.sock.sendall(b"\x00\x00\x01\x00" + b"x" * 10)  # 256 bytes announced, 10 sent
         assert conn.closed_by_peer(timeout_s=30)
@@ -189,7 +226,7 @@ def test_a_connection_stalled_inside_a_message_is_closed(server, monkeypatch, ca
 def test_a_connection_that_never_greets_is_closed_and_a_kept_one_is_not(server, monkeypatch):
     """Silent connections would hold the server's slots (``MAX_CONNECTIONS``); a client's kept
     connection, idle between pulls, has greeted and stays."""
-    monkeypatch.setattr(side_channel, "STALLED_S", 0.2)  # read by the server thread's sweep
+    monkeypatch.setattr(server_module, "STALLED_S", 0.2)  # read by the server thread's sweep
     client = SideChannelClient((Pong,))
     try:
         assert client.request(server.address, Ping("kept"), timeout_s=5) == Pong("KEPT")
@@ -204,12 +241,12 @@ def test_a_connection_that_never_greets_is_closed_and_a_kept_one_is_not(server, 
 
 
 def test_connections_beyond_the_limit_are_closed(monkeypatch, caplog):
-    monkeypatch.setattr(side_channel, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 2)
     with SideChannelServer("127.0.0.1", 0, handler, (Ping,)) as srv:
         held = [RawConnection.to(srv.address) for _ in range(2)]
         try:
             for conn in held:  # both are served (the server has accepted them)
-                conn.send(msgspec.msgpack.encode(Ping("in")))
+                conn.send(MessageCodec.encode(Ping("in")))
                 assert conn.read() is not None
             with RawConnection.to(srv.address) as third:
                 assert third.closed_by_peer(timeout_s=30)
@@ -224,8 +261,8 @@ def test_connections_beyond_the_limit_are_closed(monkeypatch, caplog):
 def test_pipelined_requests_are_answered_in_order(server):
     with RawConnection.to(server.address) as conn:
         for i in range(50):
-            conn.send(msgspec.msgpack.encode(Ping(f"p{i}")))
-        replies = [msgspec.msgpack.decode(conn.read() or b"", type=Pong) for _ in range(50)]
+            conn.send(MessageCodec.encode(Ping(f"p{i}")))
+        replies = [msgspec.msgpack.decode(open_envelope(conn.read() or b""), type=Pong) for _ in range(50)]
     assert [r.payload for r in replies] == [f"P{i}" for i in range(50)]
 
 
@@ -349,7 +386,7 @@ def test_client_drops_a_timed_out_socket_so_a_late_reply_is_never_misread():
         first = slow.accept()
         assert first.read() is not None
         try:
-            first.send(msgspec.msgpack.encode(Pong("LATE FIRST")))
+            first.send(MessageCodec.encode(Pong("LATE FIRST")))
         except OSError:
             pass  # the client closed it already: nobody reads the late reply, as it should be
         answers: list[object] = []
@@ -357,7 +394,7 @@ def test_client_drops_a_timed_out_socket_so_a_late_reply_is_never_misread():
         def answer_second() -> None:
             second = slow.accept()
             assert second.read() is not None
-            second.send(msgspec.msgpack.encode(Pong("SECOND")))
+            second.send(MessageCodec.encode(Pong("SECOND")))
             answers.append(second)
 
         t = threading.Thread(target=answer_second)
@@ -409,7 +446,7 @@ def test_client_error_reply_keeps_the_connection_usable(server):
 # ---- the kept-open client against a real peer process: restart, freeze, close -------------------
 _PEER = """
 import sys, time, msgspec
-from kv_mooncake.side_channel import SideChannelServer
+from kv_mooncake.wire.server import SideChannelServer
 
 class Ping(msgspec.Struct, tag=True):
     payload: str

@@ -15,10 +15,12 @@ import msgspec
 import pytest
 from conftest import FakeTransferEngine
 from kv_common.testing.ports import free_port
-from kv_mooncake import protocol as P
-from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
-from kv_mooncake.metadata import HoldRequest, MooncakeStep
+from kv_mooncake.errors import SideChannelError
+from kv_mooncake.step import HoldRequest, MooncakeStep
+from kv_mooncake.wire import client as side_channel
+from kv_mooncake.wire import messages as P
+from kv_mooncake.wire.messages import ErrorReply
 from kv_mooncake.worker import LocalCache, MooncakeWorker, query_leaks
 from raw_side_channel import RawConnection, RawServer, raw_exchange
 
@@ -53,14 +55,14 @@ def prefill(monkeypatch):
 
 
 def _auth(secret: str, **kwargs):
-    from kv_mooncake.side_channel_auth import SideChannelAuth
+    from kv_mooncake.wire.seal import SideChannelAuth
 
     return SideChannelAuth(secret.encode(), **kwargs)
 
 
 def _stranger(address: str, message: msgspec.Struct) -> str:
     """What a peer without the secret gets back: the error text (it must get no reply at all)."""
-    with pytest.raises(side_channel.SideChannelError) as info:
+    with pytest.raises(SideChannelError) as info:
         side_channel.request(address, message, P.REPLY_TYPES, 2.0)
     return str(info.value).split(" answered with an error: ", 1)[-1]  # what came from the peer
 
@@ -90,7 +92,7 @@ def test_a_stranger_cannot_free_a_held_request(prefill):
     # Another secret is no secret at all.
     wrong = side_channel.SideChannelClient(P.REPLY_TYPES, auth=_auth(OTHER_SECRET))
     try:
-        with pytest.raises(side_channel.SideChannelError, match="not authenticated"):
+        with pytest.raises(SideChannelError, match="not authenticated"):
             wrong.request(addr, P.FreeNow(request_id="r"), 2.0)
     finally:
         wrong.close()
@@ -112,17 +114,17 @@ def test_a_peer_with_the_secret_is_answered_and_frees(prefill):
 
 
 def test_a_replayed_authenticated_message_is_refused(prefill):
-    from kv_mooncake.side_channel_auth import open_reply
+    from kv_mooncake.wire.seal import open_reply
 
     auth = _auth(SECRET)
-    wire, nonce = auth.seal_request(msgspec.msgpack.encode(P.HoldKeepAlive(request_id="r")))
+    wire, nonce = auth.seal_request(P.MessageCodec.encode(P.HoldKeepAlive(request_id="r")))
     first = open_reply(auth, raw_exchange(prefill.server.address, wire), nonce)  # captured on the wire ...
-    assert isinstance(msgspec.msgpack.decode(first, type=P.Ack | P.Refused), P.Ack)
-    again = msgspec.msgpack.decode(raw_exchange(prefill.server.address, wire), type=side_channel.ErrorReply)
+    assert isinstance(msgspec.msgpack.decode(P.open_envelope(first), type=P.Ack | P.Refused), P.Ack)
+    again = msgspec.msgpack.decode(raw_exchange(prefill.server.address, wire), type=ErrorReply)
     assert again.message.startswith("not authenticated")  # ... and sent again: refused
     # The same for a FreeNow replayed after the first one was answered (the hold is kept by a new one).
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r2", num_blocks=1, block_ids=[2])]))
-    wire, _ = auth.seal_request(msgspec.msgpack.encode(P.FreeNow(request_id="r2")))
+    wire, _ = auth.seal_request(P.MessageCodec.encode(P.FreeNow(request_id="r2")))
     raw_exchange(prefill.server.address, wire)
     assert prefill.get_finished()[0] == {"r2"}
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r2", num_blocks=1, block_ids=[2])]))
@@ -134,7 +136,7 @@ def test_a_stale_or_future_message_is_refused(prefill):
     for skew in (-45.0, 45.0):
         late = side_channel.SideChannelClient(P.REPLY_TYPES, auth=_auth(SECRET, clock=lambda s=skew: time.time() + s))
         try:
-            with pytest.raises(side_channel.SideChannelError, match="not authenticated"):
+            with pytest.raises(SideChannelError, match="not authenticated"):
                 late.request(prefill.server.address, P.FreeNow(request_id="r"), 2.0)
         finally:
             late.close()
@@ -187,7 +189,7 @@ def test_leak_queries_answer_only_loopback_or_authenticated_peers(monkeypatch):
     monkeypatch.delenv("KV_SECRET", raising=False)
     w = _prefill(MooncakeConfig(side_channel_host=host))
     try:
-        with pytest.raises(side_channel.SideChannelError, match="loopback"):
+        with pytest.raises(SideChannelError, match="loopback"):
             query_leaks(w.server.address)  # from this host's outside address: not loopback
         # The pull protocol itself still answers everyone without a secret (as before).
         reply = side_channel.request(w.server.address, P.HoldKeepAlive(request_id="x"), P.REPLY_TYPES, 2.0)
@@ -203,7 +205,7 @@ def test_leak_queries_answer_only_loopback_or_authenticated_peers(monkeypatch):
 
 
 def test_secret_env_named_in_the_config_must_be_set_and_long_enough(monkeypatch):
-    from kv_mooncake.side_channel_auth import auth_from_env
+    from kv_mooncake.wire.seal import auth_from_env
 
     monkeypatch.delenv("KV_TEST_SECRET", raising=False)
     monkeypatch.delenv("KV_SECRET", raising=False)
@@ -225,7 +227,7 @@ def test_the_config_never_holds_the_secret_itself():
 
 
 def test_warning_limiter_keeps_one_line_per_peer_per_period():
-    from kv_mooncake.side_channel_auth import WarningLimiter
+    from kv_mooncake.wire.server import WarningLimiter
 
     now = [0.0]
     limiter = WarningLimiter(period_s=10.0, clock=lambda: now[0])
@@ -240,7 +242,7 @@ def test_warning_limiter_keeps_one_line_per_peer_per_period():
 
 
 def test_forgotten_nonces_never_let_a_replay_through():
-    from kv_mooncake.side_channel_auth import ReplayGuard
+    from kv_mooncake.wire.seal import ReplayGuard
 
     guard = ReplayGuard(window_s=30.0, max_nonces=3)
     assert all(guard.first_time(bytes([i]) * 16, stamped=float(i), now=5.0) for i in range(1, 5))
@@ -273,7 +275,7 @@ def test_a_reply_to_another_request_or_a_plain_reply_is_not_read():
     t.start()
     try:
         for _, expected in forgeries:
-            with pytest.raises(side_channel.SideChannelError, match=expected):
+            with pytest.raises(SideChannelError, match=expected):
                 client.request(peer.address, P.FreeNow(request_id="r"), 30.0)
         t.join(30)
     finally:

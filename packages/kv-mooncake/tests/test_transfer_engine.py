@@ -16,7 +16,9 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("mooncake.engine")
 
 from kv_common.testing.freeze import freeze  # noqa: E402
-from kv_mooncake.transfer_engine import _ATTEMPT_TIMEOUT_ENV, MooncakeTransferEngine, TransferError  # noqa: E402
+from kv_mooncake.engine.peer_budgets import PeerBudget
+from kv_mooncake.engine.transfer_engine import _ATTEMPT_TIMEOUT_ENV, MooncakeTransferEngine
+from kv_mooncake.errors import TransferError
 from wrapped_engine import WrappedEngine  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -381,9 +383,8 @@ def test_concurrent_reads_to_one_peer_are_batched_and_a_bad_one_fails_alone():
 def test_peer_budget_bounds_transfers_and_lets_a_waiting_reader_in():
     """The per-peer budget: never more than its limit in flight; while a reader waits for slots a
     pipeline cannot take freed slots first (it completes its own oldest call instead)."""
-    from kv_mooncake.transfer_engine import _PeerBudget
 
-    budget = _PeerBudget(128)
+    budget = PeerBudget(128)
     assert budget.try_acquire(64) and budget.try_acquire(64)
     assert not budget.try_acquire(1)  # full
     assert not budget.acquire(64, time.monotonic() + 0.05)  # waits until its give-up time, then False
@@ -429,8 +430,7 @@ def test_threads_reading_one_peer_ask_its_status_one_at_a_time(target, monkeypat
     """Mooncake's status call spins on its core until the batch is done: pull threads reading the
     same peer at once must not all spin (measured on 2 cores, 16 pulls in flight from 4 threads:
     277-443 pulls/s spinning together, 588-611 asking one at a time). Every byte still lands."""
-    import kv_mooncake.transfer_engine as engine_module
-
+    import kv_mooncake.engine.transfer_engine as engine_module
     monkeypatch.setattr(engine_module, "ASK_TURN_WAIT_S", 60.0)  # turns only (their bound: the next test)
     _, _, address, base, digests = target
     n_threads, per = 6, 200
@@ -481,7 +481,7 @@ def test_a_status_call_stuck_on_a_stalled_read_holds_the_others_up_only_briefly(
     """One thread's status call hangs (its read stalled: a frozen peer answers only at Mooncake's
     transfer timeout); another thread's read to the same peer is done: it waits for its turn to ask
     only ``ASK_TURN_WAIT_S``, then asks anyway (spinning beside the stuck one, as without turns)."""
-    from kv_mooncake.transfer_wait import ASK_TURN_WAIT_S
+    from kv_mooncake.engine.pacing import ASK_TURN_WAIT_S
 
     _, _, address, base, digests = target
     local = np.zeros(2 * 16 * BLOCK, dtype=np.uint8)
@@ -524,7 +524,7 @@ def test_the_attempt_timeout_is_the_earliest_of_mooncakes_transfer_timeouts(monk
     """Whichever of Mooncake's timeouts ends a stalled transfer first is the attempt's length. kv-store
     sets a shorter TCP progress timeout for its Mooncake store client in the same process: a stalled
     attempt then ends after that, and must still read as a timeout (retried), not a refusal."""
-    from kv_mooncake.transfer_engine import _attempt_timeout_s
+    from kv_mooncake.engine.transfer_engine import _attempt_timeout_s
 
     for name in _ATTEMPT_TIMEOUT_ENV:
         monkeypatch.delenv(name, raising=False)

@@ -6,10 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 from kv_mooncake.config import MooncakeConfig
-from kv_mooncake.metadata import RemoteSource
+from kv_mooncake.params import RemoteSource, TransferParams, parse_transfer_params, read_transfer_params
 from kv_mooncake.proxy.release import side_channel_addresses
 from kv_mooncake.scheduler import MooncakeScheduler
-from kv_mooncake.transfer_params import TransferParams, parse_transfer_params, read_transfer_params
 
 # What a prefill answers today, key by key (vllm-ascend's names: clients and proxies read them).
 WIRE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "P", "remote_host": "10.0.0.1",
@@ -140,7 +139,7 @@ def test_the_decode_parses_once_per_request(monkeypatch):
                         lambda raw: calls.append(raw) or read_transfer_params(raw))
     decode = MooncakeScheduler(MooncakeConfig(), engine_id="D", block_size=16, is_producer=False, is_consumer=True,
                                side_channel_port=1)
-    from kv_mooncake.prompt_identity import prompt_digest
+    from kv_mooncake.identity import prompt_digest
 
     request = _request("d-r", {**WIRE, "prompt_digest": prompt_digest(range(40))})
     for _ in range(3):  # vLLM asks again while no blocks are free

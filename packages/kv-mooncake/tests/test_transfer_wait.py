@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from kv_mooncake.transfer_wait import (
+from kv_mooncake.engine.pacing import (
     FIRST_GUESS_BYTES_PER_S,
     MAX_BYTES_PER_S,
     MIN_BYTES_PER_S,

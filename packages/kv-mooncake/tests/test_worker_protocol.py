@@ -8,10 +8,12 @@ import msgspec
 import pytest
 from conftest import FakeTransferEngine
 from kv_common.testing.ports import free_port
-from kv_mooncake import protocol as P
-from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
-from kv_mooncake.metadata import HoldRequest, MooncakeStep
+from kv_mooncake.errors import SideChannelTimeout
+from kv_mooncake.pull import messenger as messenger_module
+from kv_mooncake.step import HoldRequest, MooncakeStep
+from kv_mooncake.wire import client as side_channel
+from kv_mooncake.wire import messages as P
 from kv_mooncake.worker import LocalCache, MooncakeWorker, query_leaks
 from raw_side_channel import RawConnection
 
@@ -156,8 +158,8 @@ def test_reader_may_only_read_the_requests_own_blocks(patient_prefill):
 
 
 def test_client_may_shorten_but_not_extend_the_hold():
+    from kv_mooncake.params import parse_transfer_params
     from kv_mooncake.scheduler import MooncakeScheduler
-    from kv_mooncake.transfer_params import parse_transfer_params
 
     sched = MooncakeScheduler(MooncakeConfig(hold_timeout_s=30.0), engine_id="P", block_size=16,
                               is_producer=True, is_consumer=False, side_channel_port=1)
@@ -182,7 +184,7 @@ def test_done_is_retried_until_a_slow_prefill_answers(prefill, monkeypatch):
     def flaky(address, message, *args, **kwargs):
         calls.append(type(message).__name__)
         if len(calls) <= 2:
-            raise side_channel.SideChannelTimeout("starved")
+            raise SideChannelTimeout("starved")
         return real(address, message, *args, **kwargs)
 
     monkeypatch.setattr(decode.puller.messenger._client, "request", flaky)
@@ -197,7 +199,7 @@ def test_decode_request_aborted_before_scheduling_still_frees_the_prefill(prefil
     allocated: the prefill must be told to free now, not after its hold expires."""
     from types import SimpleNamespace
 
-    from kv_mooncake.prompt_identity import prompt_digest
+    from kv_mooncake.identity import prompt_digest
     from kv_mooncake.scheduler import MooncakeScheduler
 
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0], ttl_s=60)]))
@@ -275,9 +277,8 @@ def test_pull_done_reply_says_whether_the_hold_survived_the_read(prefill):
 def test_the_decodes_handshake_cache_is_bounded(monkeypatch):
     """Issue 23 §8: one cached handshake per (prefill rank, engine id) ever seen, never dropped, is
     state that only grows. The cache keeps the most recently used ones."""
-    from kv_mooncake import prefill_messenger
 
-    monkeypatch.setattr(prefill_messenger, "HANDSHAKE_CACHE_SIZE", 2)
+    monkeypatch.setattr(messenger_module, "HANDSHAKE_CACHE_SIZE", 2)
     cfg = MooncakeConfig()
     prefills = []
     for _ in range(3):

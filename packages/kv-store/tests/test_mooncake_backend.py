@@ -253,8 +253,6 @@ def test_parts_by_address_roundtrip_and_refusals(mooncake_master):
 
 
 def test_a_subclass_overriding_a_parts_call_does_not_inherit_the_address_calls():
-    from kv_store.staging import supports_parts_at
-
     class Gated(MooncakeBackend):
         def batch_get_parts(self, keys, parts):  # e.g. a test double that blocks loads
             return super().batch_get_parts(keys, parts)
@@ -262,9 +260,9 @@ def test_a_subclass_overriding_a_parts_call_does_not_inherit_the_address_calls()
     class Plain(MooncakeBackend):
         pass
 
-    assert Gated.batch_get_parts_at is None and Gated.batch_put_parts_at is None
-    assert not supports_parts_at(Gated.__new__(Gated))
-    assert supports_parts_at(Plain.__new__(Plain))
+    assert not Gated.capabilities.parts_at_address and Gated.capabilities.zero_copy_parts
+    assert not Gated.__new__(Gated).capabilities.parts_at_address
+    assert Plain.__new__(Plain).capabilities.parts_at_address
 
 
 def test_the_worker_moves_values_by_address_and_they_read_back_through_staging(mooncake_master):

@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kv_common.backend import BackendCapabilities  # noqa: E402
 from kv_common.embedded_backend import EmbeddedBackend  # noqa: E402
 from kv_store import codec  # noqa: E402
 from kv_store.config import StoreConnectorConfig  # noqa: E402
@@ -17,6 +18,8 @@ BS = 4
 
 class PartsBackend(EmbeddedBackend):
     """An embedded store that also speaks the parts protocol (as kv-store's does)."""
+
+    capabilities = BackendCapabilities(zero_copy_parts=True)
 
     def __init__(self, *a, refuse_register: bool = False, **kw):
         super().__init__(*a, **kw)
@@ -173,5 +176,6 @@ def test_a_backend_overriding_batch_put_does_not_inherit_owned_puts():
         def batch_put(self, keys, values):
             return super().batch_put(keys, values)
 
-    assert callable(EmbeddedStoreBackend(1 << 20).batch_put_owned)
-    assert Gated(1 << 20).batch_put_owned is None
+    assert EmbeddedStoreBackend(1 << 20).capabilities.owned_puts
+    assert not Gated(1 << 20).capabilities.owned_puts
+    assert Gated(1 << 20).capabilities.zero_copy_parts

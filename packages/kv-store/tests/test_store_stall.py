@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kv_common.backend import scatter_into_parts
+from kv_common.backend import BackendCapabilities, scatter_into_parts
 from kv_common.embedded_backend import EmbeddedBackend
 from kv_store.config import StoreConnectorConfig
 from kv_store.embedded import EmbeddedStoreBackend
@@ -75,6 +75,8 @@ class BlockingBackend(EmbeddedBackend):
 class BlockingPartsBackend(BlockingBackend):
     """With the worker's zero-copy parts protocol (as kv-store's embedded and Mooncake backends)."""
 
+    capabilities = BackendCapabilities(zero_copy_parts=True)
+
     def batch_put_parts(self, keys, parts):
         return self.batch_put(keys, [b"".join(p) for p in parts])
 
@@ -86,6 +88,8 @@ class BlockingPartsBackend(BlockingBackend):
 class BlockingOwnedBackend(BlockingPartsBackend):
     """With kv-store's embedded backend's owned puts too: the saver joins and seals each value, the
     store keeps it (the path the embedded store takes)."""
+
+    capabilities = BackendCapabilities(zero_copy_parts=True, owned_puts=True)
 
     def batch_put_owned(self, keys, values):
         self._gate("put")

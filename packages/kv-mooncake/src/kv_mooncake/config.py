@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 from kv_common import vllm_compat
 from kv_common.config import ConfigKeyError, ConnectorConfig, parse_extra_config
 from kv_common.idle_step import DEFAULT_IDLE_STEP_WAIT_MS, check_idle_step_wait_ms
+
+from kv_mooncake.pipeline_stages import parse_partition
 
 CONNECTOR_NAME = "MooncakeConnectorV1"
 
@@ -35,7 +37,8 @@ class ParallelSizes(ConnectorConfig, frozen=True):  # frozen like its base (said
     def check(self) -> None:
         if self.pp_layer_partition is None:
             return
-        from kv_mooncake.pipeline_stages import StageError, parse_partition
+        from kv_mooncake.errors import StageError
+        from kv_mooncake.pipeline_stages import parse_partition
 
         try:
             stages = len(parse_partition(self.pp_layer_partition))
@@ -86,7 +89,7 @@ class MooncakeConfig(ConnectorConfig, frozen=True):
     max_message_bytes: int = 1 << 20
     # The environment variable holding the side channel's shared secret (never the secret itself:
     # configs get logged). None: KV_SECRET when set, else no secret (any peer is answered). Named
-    # here, the variable must be set. See kv_mooncake.side_channel_auth and the README's "Safety".
+    # here, the variable must be set. See kv_mooncake.wire.seal and the README's "Safety".
     side_channel_secret_env: str | None = None
     # Decode ranks also listen on their side-channel port (base + rank index) and answer LeakQuery
     # (tests, operators). Off by default: a decode needs no open port otherwise.
@@ -138,6 +141,12 @@ class MooncakeConfig(ConnectorConfig, frozen=True):
         check_idle_step_wait_ms(self.idle_step_wait_ms)
 
 
+def side_channel_base_port(config: MooncakeConfig, kv_port: int, dp_rank: int, world_size: int) -> int:
+    """First side-channel port of this DP rank's workers (worker ``i`` listens on base + i)."""
+    base = config.side_channel_port if config.side_channel_port is not None else kv_port
+    return base + dp_rank * world_size
+
+
 def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
     from kv_common.doctor import Preflight
 
@@ -150,7 +159,7 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
     ranks *= (config.prefill.pp_size or 1) if producer and config.prefill else 1
     plan = Preflight(modules=[("mooncake.engine", "TransferEngine", "Mooncake TransferEngine")],
                      mooncake_build="Mooncake TransferEngine")
-    from kv_mooncake.declared_layout import start_up_contradictions
+    from kv_mooncake.config import start_up_contradictions
 
     # Without the engine's own layout only the role-independent refusals can be known here.
     plan.problems.extend(start_up_contradictions(config, is_producer=False, is_consumer=False, tp_size=0, pp_size=0))
@@ -163,7 +172,7 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
         plan.notes.append("decode: listens on no side-channel port (decode_side_channel is false)")
     plan.advertise.append((config.transfer_engine_host(), "TransferEngine (it listens on every interface)",
                            "te_host"))
-    from kv_mooncake.side_channel_auth import secret_preflight
+    from kv_mooncake.wire.seal import secret_preflight
 
     secret_preflight(plan, config.side_channel_secret_env, [b for b in plan.bind if "side channel" in b[2]])
     if producer and not (config.prefill and config.prefill.tp_size):
@@ -178,3 +187,49 @@ def parse_config(extra: Mapping[str, Any] | None, connector: str = CONNECTOR_NAM
 
 def load_config(extra: Mapping[str, Any] | None) -> MooncakeConfig:
     return parse_config(extra)
+
+
+# ---- declared sizes against the running layouts ----
+# vllm-ascend's ``prefill`` / ``decode`` sizes checked against the layouts that really run.
+#
+# Pure functions: they return what contradicts (empty / None when nothing does), the caller refuses.
+# A size that is not declared is not checked.
+
+def _own_side(side: str, declared: ParallelSizes | None, tp_size: int, pp_size: int) -> list[str]:
+    if declared is None:
+        return []
+    out = []
+    if declared.tp_size is not None and declared.tp_size != tp_size:
+        out.append(f"{side}.tp_size is {declared.tp_size} but this {side} instance runs tensor_parallel_size {tp_size}")
+    if declared.pp_size is not None and declared.pp_size != pp_size:
+        out.append(f"{side}.pp_size is {declared.pp_size} but this {side} instance runs pipeline_parallel_size {pp_size}")
+    return out
+
+
+def start_up_contradictions(
+    config: MooncakeConfig, *, is_producer: bool, is_consumer: bool, tp_size: int, pp_size: int,
+    layer_partition: Sequence[int] | None = None,
+) -> list[str]:
+    """Declared sizes of this instance's own side(s) that differ from its actual layout
+    (``layer_partition``: the layers per pipeline stage a producer runs, when it runs PP > 1)."""
+    out = []
+    if is_producer:
+        out += _own_side("prefill", config.prefill, tp_size, pp_size)
+        declared = config.prefill.pp_layer_partition if config.prefill is not None else None
+        if declared is not None and layer_partition is not None and parse_partition(declared) != tuple(layer_partition):
+            out.append(f"prefill.pp_layer_partition is {declared!r} but this prefill instance places its layers "
+                       f"{','.join(map(str, layer_partition))} (VLLM_PP_LAYER_PARTITION, else vLLM's even split)")
+    if is_consumer:
+        out += _own_side("decode", config.decode, tp_size, pp_size)
+    return out
+
+
+def peer_layout_contradiction(config: MooncakeConfig, *, remote_tp_size: int, remote_pp_size: int = 1) -> str | None:
+    """On the decode: the declared prefill tp_size / pp_size against the ones a prefill reports."""
+    declared = config.prefill
+    if declared is not None and declared.tp_size is not None and declared.tp_size != remote_tp_size:
+        return f"prefill.tp_size is {declared.tp_size} but the prefill instance reports tensor_parallel_size {remote_tp_size}"
+    if declared is not None and declared.pp_size is not None and declared.pp_size != remote_pp_size:
+        return (f"prefill.pp_size is {declared.pp_size} but the prefill instance reports pipeline_parallel_size "
+                f"{remote_pp_size}")
+    return None

@@ -8,14 +8,16 @@ from typing import Any
 from kv_common import vllm_compat
 from kv_common.idle_step import idle_step
 from kv_common.logging_utils import get_logger
+from kv_common.stats import PromCounter, PromHistogram, counter, failures_total, make_vllm_stats_class
+from kv_common.stats import build_prom_metrics as _build_prom_metrics
 
-from kv_mooncake.config import load_config
-from kv_mooncake.declared_layout import start_up_contradictions
-from kv_mooncake.fingerprint import config_fingerprint, unsupported_settings
-from kv_mooncake.metadata import MooncakeStep
+from kv_mooncake.config import load_config, side_channel_base_port, start_up_contradictions
+from kv_mooncake.identity import config_fingerprint, unsupported_settings
+from kv_mooncake.params import plans_per_group
 from kv_mooncake.pipeline_stages import stage_partition
-from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank, plans_per_group
-from kv_mooncake.scheduler import MooncakeScheduler, side_channel_base_port
+from kv_mooncake.rank_layout import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
+from kv_mooncake.scheduler import MooncakeScheduler
+from kv_mooncake.step import MooncakeStep
 from kv_mooncake.worker import MooncakeWorker, check_kv_cache_groups
 
 logger = get_logger(__name__)
@@ -204,7 +206,7 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: igno
         acc = self._worker.stats if self._worker is not None else getattr(self._scheduler, "stats", None)
         if acc is None or acc.is_empty():
             return None
-        from kv_mooncake.stats import MooncakeConnectorStats
+        from kv_mooncake.connector import MooncakeConnectorStats
 
         out = MooncakeConnectorStats.from_accumulator(acc)
         acc.reset()
@@ -212,14 +214,14 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: igno
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None) -> Any:
-        from kv_mooncake.stats import MooncakeConnectorStats
+        from kv_mooncake.connector import MooncakeConnectorStats
 
         return MooncakeConnectorStats.build(data)
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        from kv_mooncake.stats import build_prom_metrics
+        from kv_mooncake.connector import build_prom_metrics
 
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
@@ -235,3 +237,39 @@ class KvMooncakeConnectorV1(MooncakeConnectorV1):
     """This connector under our own name, which no other package registers (vllm-ascend registers
     ``MooncakeConnectorV1`` for its own class). A registered name is always its class's ``__name__``:
     vLLM's MultiConnector looks a child's class up in the registry by that name."""
+
+
+# ---- Prometheus metrics ----
+# vLLM-facing stats classes (import vLLM: only the connector module imports this).
+
+MooncakeConnectorStats = make_vllm_stats_class("MooncakeConnectorStats")
+
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+_COUNTERS = [
+    PromCounter("vllm:mooncake_pulled_bytes", "Bytes pulled from prefill instances.", lambda d: d.get("bytes", 0)),
+    PromCounter("vllm:mooncake_pulls", "Successful KV pulls (one per request and decode rank).",
+                lambda d: d.get("transfers", 0)),
+    PromCounter("vllm:mooncake_pull_failures",
+                "Failed or timed-out KV pulls (their blocks were reported as load errors).", failures_total),
+    PromCounter("vllm:mooncake_expired_holds", "Prefill holds freed on expiry (no decode pulled in time).",
+                counter("expired_holds")),
+    PromCounter("vllm:mooncake_rejected_reads",
+                "Pull requests refused because they named blocks not held for that request.",
+                counter("rejected_reads")),
+    PromCounter("vllm:mooncake_prompt_mismatches",
+                "Decode requests whose kv_transfer_params were made for another prompt "
+                "(nothing pulled, computed locally).", counter("prompt_mismatches")),
+    PromCounter("vllm:mooncake_transfer_retries",
+                "TransferEngine reads attempted again after a failed or stalled attempt.",
+                counter("transfer_retries")),
+]
+_PULL_SECONDS = PromHistogram("vllm:mooncake_pull_seconds", "KV pull latency (seconds).", _LATENCY_BUCKETS,
+                              lambda d: d.get("durations_s") or ())
+
+
+def build_prom_metrics(vllm_config: Any, metric_types: dict, labelnames: list[str],
+                       per_engine_labelvalues: dict[int, list[object]]) -> Any:
+    """``KVConnectorBase_V1.build_prom_metrics``: counters and a pull-latency histogram, fed from the
+    same ``KVConnectorStats`` data vLLM logs."""
+    return _build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                               counters=_COUNTERS, histograms=[_PULL_SECONDS])

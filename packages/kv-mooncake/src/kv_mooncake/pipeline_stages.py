@@ -17,7 +17,7 @@ holds: a stage that holds other layers than expected is refused by name, never r
 Ranks and ports: vLLM orders an instance's workers (DP, PP, PCP, TP), TP fastest
 (``parallel_state``); a prefill worker's side channel listens on the instance's base port plus its
 rank inside its DP group, ``pp_rank * tp * pcp + pcp_rank * tp + tp_rank``
-(``pull_plan.PrefillRank.index``). The pull plan of one stage is the plan of every stage (each stage
+(``pull.plan.PrefillRank.index``). The pull plan of one stage is the plan of every stage (each stage
 has the same TP / PCP / DCP layout over its own layers), so each stage's ranks get the same readers
 and each stage's workers count their own DONEs and report their own ``finished_sending``.
 """
@@ -29,12 +29,10 @@ import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from kv_mooncake.errors import StageError
+
 _T = TypeVar("_T")
 _PARTITION = re.compile(r"^\s*\d+\s*(,\s*\d+\s*)*$")
-
-
-class StageError(ValueError):
-    """A partition or a stage's layers that cannot be read right."""
 
 
 def parse_partition(text: str | Sequence[int]) -> tuple[int, ...]:
@@ -136,13 +134,13 @@ def own_stage_problem(layer_names: Sequence[str], pp_rank: int, partition: Seque
 
 
 def for_each_stage(pulls: Sequence[_T], pp_size: int) -> list[_T]:
-    """The same pulls (``pull_plan.RankPull``) addressed to every stage: ``source.pp_rank`` set."""
+    """The same pulls (``pull.plan.RankPull``) addressed to every stage: ``source.pp_rank`` set."""
     return [dataclasses.replace(pull, source=pull.source._replace(pp_rank=stage))  # type: ignore[type-var,attr-defined]
             for stage in range(pp_size) for pull in pulls]
 
 
 def waive_stage_fields(decode: Any, stage: Any) -> Any:
-    """The decode's ``protocol.Compatibility`` as a prefill stage compares it: a stage of a PP prefill
+    """The decode's ``wire.messages.Compatibility`` as a prefill stage compares it: a stage of a PP prefill
     holds fewer layers than a PP 1 decode, so ``num_layers`` and ``pipeline_parallel_size`` are not
     compared there (the decode checks the stage's layers by name instead)."""
     if stage.pipeline_parallel_size > 1 and decode.pipeline_parallel_size == 1:

@@ -16,29 +16,25 @@ from kv_common.kv_cache_groups import NULL_BLOCK_ID, KVGroup
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
 
-from kv_mooncake.config import MooncakeConfig
-from kv_mooncake.declared_layout import peer_layout_contradiction
-from kv_mooncake.metadata import HoldRequest, MooncakeStep, PullRequest
-from kv_mooncake.prompt_identity import request_digest, same_prompt
-from kv_mooncake.pull_plan import group_blocks_to_pull, plans_per_group
-from kv_mooncake.transfer_params import (
+from kv_mooncake.config import MooncakeConfig, peer_layout_contradiction
+from kv_mooncake.identity import request_digest, same_prompt
+from kv_mooncake.params import (
     MAX_PREFILL_RANKS,
     TransferParams,
     flag,
+    group_blocks_to_pull,
     parse_transfer_params,
+    plans_per_group,
     pull_problem,
     read_transfer_params,
 )
+from kv_mooncake.step import HoldRequest, MooncakeStep, PullRequest
 
 logger = get_logger(__name__)
 
 _FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
-def side_channel_base_port(config: MooncakeConfig, kv_port: int, dp_rank: int, world_size: int) -> int:
-    """First side-channel port of this DP rank's workers (worker ``i`` listens on base + i)."""
-    base = config.side_channel_port if config.side_channel_port is not None else kv_port
-    return base + dp_rank * world_size
 
 
 class _Incoming(NamedTuple):
@@ -79,7 +75,7 @@ class MooncakeScheduler:
             raise ValueError(f"MooncakeConnectorV1: a prefill of tensor_parallel_size {tp_size} x "
                              f"prefill_context_parallel_size {pcp_size} x pipeline_parallel_size {pp_size} "
                              f"ranks; decodes accept at most "
-                             f"{MAX_PREFILL_RANKS} (kv_mooncake.transfer_params.MAX_PREFILL_RANKS)")
+                             f"{MAX_PREFILL_RANKS} (kv_mooncake.params.MAX_PREFILL_RANKS)")
         # decode: requests with do_remote_prefill, parsed once (vLLM asks again every step until one fits)
         self._incoming: dict[str, _Incoming] = {}
         self._step = MooncakeStep()

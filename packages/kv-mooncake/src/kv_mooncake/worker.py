@@ -4,9 +4,9 @@ A thin composition that vLLM's worker-side connector hooks call (``connector.py`
 the KV cache with the TransferEngine, runs this rank's side channel, and hands each step's work to
 the side it belongs to:
 
-- ``prefill_holder.PrefillHolder`` keeps finished requests' blocks until every expected reader is
+- ``hold.responder.PrefillHolder`` keeps finished requests' blocks until every expected reader is
   done, the hold expires, or the decode says nobody will read them, and answers the readers;
-- ``decode_puller.DecodePuller`` reads requests' blocks from the prefill ranks (per-rank queues,
+- ``pull.puller.DecodePuller`` reads requests' blocks from the prefill ranks (per-rank queues,
   circuit breaker, partial load errors, hold keep-alives, ``verify_kv``).
 
 Both always exist (a kv_producer-only rank still answers FreeNow and pulls inline); only a consumer
@@ -25,17 +25,19 @@ from kv_common.kv_cache_groups import KVGroup
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
 
-from kv_mooncake import protocol as P
-from kv_mooncake import side_channel
 from kv_mooncake.config import MooncakeConfig
-from kv_mooncake.decode_puller import PULL_BATCH_BLOCKS, DecodePuller, PeerDown, PullFailed
-from kv_mooncake.fingerprint import group_layouts
-from kv_mooncake.local_cache import LocalCache, check_kv_cache_groups, describe_kv_caches
-from kv_mooncake.metadata import MooncakeStep
+from kv_mooncake.errors import PeerDown, PullFailed, SideChannelError
+from kv_mooncake.hold.responder import PrefillHolder
+from kv_mooncake.identity import group_layouts
+from kv_mooncake.kv_regions import LocalCache, check_kv_cache_groups, describe_kv_caches
 from kv_mooncake.pipeline_stages import own_stage_problem
-from kv_mooncake.prefill_holder import PrefillHolder
-from kv_mooncake.pull_plan import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
-from kv_mooncake.side_channel_auth import SideChannelAuth, auth_from_env
+from kv_mooncake.pull.puller import PULL_BATCH_BLOCKS, DecodePuller
+from kv_mooncake.rank_layout import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
+from kv_mooncake.step import MooncakeStep
+from kv_mooncake.wire import client as side_channel
+from kv_mooncake.wire import messages as P
+from kv_mooncake.wire.seal import SideChannelAuth, auth_from_env
+from kv_mooncake.wire.server import SideChannelServer
 
 __all__ = ["PULL_BATCH_BLOCKS", "LocalCache", "MooncakeWorker", "PeerDown", "PullFailed", "check_kv_cache_groups",
            "describe_kv_caches", "query_leaks"]
@@ -97,7 +99,7 @@ class MooncakeWorker:
         self.cache: LocalCache | None = None
         self.compatibility: P.Compatibility | None = None
         self.te: Any = None
-        self.server: side_channel.SideChannelServer | None = None
+        self.server: SideChannelServer | None = None
         self._closed = False
 
     # ---- setup -------------------------------------------------------------------------------
@@ -146,7 +148,7 @@ class MooncakeWorker:
         if self._engine_factory is not None:
             self.te = self._engine_factory()
         else:
-            from kv_mooncake.transfer_engine import MooncakeTransferEngine
+            from kv_mooncake.engine.transfer_engine import MooncakeTransferEngine
 
             self.te = MooncakeTransferEngine(
                 self.config.transfer_engine_host(),
@@ -164,13 +166,13 @@ class MooncakeWorker:
             else:
                 port = self.side_channel_port + self.decode_rank.index(self.decode_layout)
             try:
-                self.server = side_channel.SideChannelServer(
+                self.server = SideChannelServer(
                     self.config.bind_host(), port, self.handle, P.REQUEST_TYPES,
                     self.config.max_message_bytes, name=f"mooncake-side-channel:{port}",
                     auth=auth_from_env(self.config.side_channel_secret_env), trusted_only=(P.LeakQuery,),
                 ).start()
-            except side_channel.SideChannelError as exc:  # say which setting chose the address
-                raise side_channel.SideChannelError(
+            except SideChannelError as exc:  # say which setting chose the address
+                raise SideChannelError(
                     f"{exc}; the side channel listens on side_channel_bind_host "
                     f"({self.config.side_channel_bind_host!r}), else on the address peers are told: "
                     f"side_channel_host ({self.config.side_channel_host!r}), else VLLM_HOST_IP or this "

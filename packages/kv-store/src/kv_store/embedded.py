@@ -13,8 +13,9 @@ A value is handed over as a list of buffers (one KV slice per layer, then the tr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from kv_common.backend import scatter_into_parts
+from kv_common.backend import BackendCapabilities, scatter_into_parts
 from kv_common.embedded_backend import EmbeddedBackend
 
 
@@ -22,11 +23,12 @@ class EmbeddedStoreBackend(EmbeddedBackend):
     # Its parts calls copy memory as the base class's calls do: bounded the same way (the claim
     # is not inherited on its own, see ``Backend``).
     call_bound_s = EmbeddedBackend.call_bound_s
+    capabilities = BackendCapabilities(zero_copy_parts=True, owned_puts=True)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if "batch_put" in cls.__dict__ and "batch_put_owned" not in cls.__dict__:
-            cls.batch_put_owned = None  # type: ignore[assignment]  # puts go through the override
+            cls.capabilities = replace(cls.capabilities, owned_puts=False)  # puts go through the override
 
     def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
         if len(keys) != len(parts):

@@ -1,5 +1,6 @@
 """The paged KV cache as whole blocks: which bytes of each layer a block id names, and block copies
-between the cache and staging rows.
+between the cache and staging rows (``CacheBuffers``: the cache with one role's staging rows and
+trailers).
 
 - Layout: a value copies whole blocks, so each block must be one contiguous run of bytes with
   blocks outermost (``kv_common.kv_layout.whole_block_bytes``). The block dimension is found by
@@ -25,7 +26,7 @@ from kv_common.kv_layout import ROLES, KVPart, LayoutError, infer_roles, whole_b
 
 from kv_store import codec
 from kv_store.metadata import BlockTransfer
-from kv_store.staging import Staging
+from kv_store.staging import Staging, TrailerArea
 
 # Host KV: a run of at least this many consecutive block ids moves as one torch copy per layer (its
 # intra-op threads share it, no Python per block); a shorter run a block at a time (a torch call
@@ -136,6 +137,19 @@ class KVBlockView:
             offset += blocks.shape[1]
         return cls(layers, in_place, kv_device)
 
+    def host_buffers(self) -> list[memoryview]:
+        """Host KV: each layer's KV tensor as bytes, a tensor that layers share once (to register
+        with a backend)."""
+        seen: set[tuple[int, int]] = set()
+        buffers = []
+        for layer in self.layers:
+            span = (device.data_ptr(layer.blocks), layer.blocks.numel())
+            if span not in seen:  # layers may share one allocation
+                seen.add(span)
+                assert layer.flat is not None  # host KV: every layer has one
+                buffers.append(layer.flat)
+        return buffers
+
     def block_parts(self, transfer: BlockTransfer, i: int, trailer: memoryview) -> list[memoryview]:
         """Block ``i`` of ``transfer`` as a parts value: its slice of every layer, then ``trailer``."""
         return [layer.block(transfer.block_ids[layer.group][i]) for layer in self.layers] + [trailer]
@@ -195,6 +209,16 @@ class KVBlockView:
                 device.wait_event(device.scatter_rows(layer.blocks, list(ids), rows))
                 continue
             _host_copies(layer, ids, staging, row + lo, into_kv=True)
+
+
+@dataclass(frozen=True)
+class CacheBuffers:
+    """The registered KV cache and one role's buffers: its staging rows and, on the zero-copy
+    parts path, its trailer area (None: staging path)."""
+
+    view: KVBlockView
+    staging: Staging
+    trailers: TrailerArea | None
 
 
 def _host_copies(layer: KVLayer, ids: Sequence[int], staging: Staging, row: int, *, into_kv: bool) -> None:

@@ -20,8 +20,8 @@
 - Each pass is checked while the backend fetches the next one (``passes``); the pass size is the
   backend's (cache-sized in memory, the whole request over RPC). Through staging, a pass's intact
   blocks are scattered into the KV cache as soon as they are checked (while the next pass is
-  fetched, its bytes still in cache), through a ``KVWriteGate`` that whoever waits for the fetch
-  closes when it gives up: no write starts after that.
+  fetched, its bytes still in cache), through a ``passes.KVWriteGate`` that whoever waits for the
+  fetch closes when it gives up: no write starts after that.
 """
 
 from __future__ import annotations
@@ -38,38 +38,21 @@ from kv_common.failure_ledger import FailureLedger
 from kv_common.logging_utils import get_logger
 
 from kv_store.config import StoreConnectorConfig
-from kv_store.kv_view import KVBlockView
+from kv_store.kv_view import CacheBuffers, KVBlockView
 from kv_store.metadata import BlockTransfer, StorePlan
-from kv_store.passes import blocks_per_call, gets_overlapped, io_executor, spans
-from kv_store.staging import CacheBuffers, Staging, TrailerArea, supports_parts_at
+from kv_store.passes import (
+    KVWriteGate,
+    blocks_per_call,
+    calls_bound_s,
+    gets_overlapped,
+    io_executor,
+    rounds,
+    spans,
+)
+from kv_store.staging import Staging, TrailerArea
 from kv_store.store_access import StoreAccess
 
 logger = get_logger(__name__)
-
-
-class KVWriteGate:
-    """The KV-cache writes of a fetch that another thread waits for, with a deadline: each write runs
-    under ``lock`` while the gate is open; once the waiter closes it (``close``: it gave up and is
-    about to report the blocks for recompute), no write starts, and one running is waited for (a
-    copy at memory speed, never a backend call). ``is_open``: another condition under the same lock
-    (an async load's give-up)."""
-
-    def __init__(self, lock: threading.Lock | None = None, is_open: Callable[[], bool] | None = None) -> None:
-        self._lock = lock or threading.Lock()
-        self._closed = False
-        self._is_open = is_open or (lambda: True)
-
-    def write(self, copy: Callable[[], None]) -> bool:
-        """Run ``copy`` unless closed; whether it ran."""
-        with self._lock:
-            if self._closed or not self._is_open():
-                return False
-            copy()
-            return True
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
 
 
 @dataclass
@@ -279,26 +262,6 @@ class StoreLoader:
             logger.warning("store load not done within %.1fs: its blocks are recomputed", self.config.load_timeout_s)
             return None
 
-    @staticmethod
-    def _rounds(loads: Sequence[BlockTransfer], slots: int) -> list[list[BlockTransfer]]:
-        """Group loads so each round fits the staging rows (splitting large requests)."""
-        rounds: list[list[BlockTransfer]] = [[]]
-        used = 0
-        for transfer in loads:
-            n = len(transfer.block_hashes)
-            for lo, hi in spans(n, slots):
-                part = BlockTransfer(
-                    request_id=transfer.request_id,
-                    block_hashes=transfer.block_hashes[lo:hi],
-                    block_ids=[g[lo:hi] for g in transfer.block_ids],
-                )
-                if used + (hi - lo) > slots:
-                    rounds.append([])
-                    used = 0
-                rounds[-1].append(part)
-                used += hi - lo
-        return [r for r in rounds if r]
-
     def _load_parts(self, view: KVBlockView, transfer: BlockTransfer, trailers: TrailerArea) -> int:
         """Fetch ``transfer`` straight into its KV blocks; verify; record failures. Blocks at and
         after the first bad one are reported for recompute (whatever landed in them)."""
@@ -313,13 +276,13 @@ class StoreLoader:
         backend = self._store.backend
         keys = self._store.keys(transfer.block_hashes)
         values = [view.block_parts(transfer, i, trailers[i]) for i in range(len(keys))]
-        by_address = supports_parts_at(backend)
+        by_address = backend.capabilities.parts_at_address
 
         def fetch(lo: int, hi: int) -> Sequence[int]:
             if by_address:
                 rows = view.part_rows(transfer, lo, hi, trailers.addresses(lo, hi - lo))
-                return backend.batch_get_parts_at(keys[lo:hi], *rows)  # type: ignore[attr-defined]
-            return backend.batch_get_parts(keys[lo:hi], values[lo:hi])  # type: ignore[attr-defined]
+                return backend.batch_get_parts_at(keys[lo:hi], *rows)
+            return backend.batch_get_parts(keys[lo:hi], values[lo:hi])
 
         return self._fetch_checked(transfer, keys, values, fetch, self._store.seal.check_parts)
 
@@ -336,18 +299,9 @@ class StoreLoader:
         if self.busy():
             return False  # a late staging fetch still holds the backend: fail at once, as before
         assert self._cache is not None
-        value_size = self._cache.view.value_size
-        backend = self._store.backend
-        total = 0.0
-        for part in self._rounds(loads, slots):
-            for transfer in part:
-                n = len(transfer.block_hashes)
-                for lo, hi in spans(n, blocks_per_call(value_size, backend.pass_bytes, n)):
-                    bound = backend.call_bound_s((hi - lo) * value_size)
-                    if bound is None:
-                        return False
-                    total += bound
-        return total <= deadline - time.monotonic()
+        parts = [transfer for part in rounds(loads, slots) for transfer in part]
+        bound = calls_bound_s(parts, self._cache.view.value_size, self._store.backend)
+        return bound is not None and bound <= deadline - time.monotonic()
 
     def load_sync(self, plan: StorePlan) -> None:
         if self._cache is None or not plan.loads:
@@ -359,15 +313,15 @@ class StoreLoader:
             # Zero copy into the KV cache: without a deadline, or when the backend ends its own
             # calls before it. The calls are waited for here (never abandoned on a thread), so
             # nothing lands in a block after it is reported for recompute.
-            for part in self._rounds(plan.loads, trailers.slots):
+            for part in rounds(plan.loads, trailers.slots):
                 for transfer in part:
                     if transfer.request_id in failed:
                         self.ledger.record_failed_load(transfer.request_id, transfer.block_ids)
                     elif self._load_parts(view, transfer, trailers) < len(transfer.block_hashes):
                         failed.add(transfer.request_id)
             return
-        rounds = self._rounds(plan.loads, staging.slots)
-        for k, round_loads in enumerate(rounds):
+        load_rounds = rounds(plan.loads, staging.slots)
+        for k, round_loads in enumerate(load_rounds):
             todo = []
             for load in round_loads:
                 if load.request_id in failed:
@@ -377,7 +331,7 @@ class StoreLoader:
                     todo.append(load)
             fetched = self._fetch_bounded(todo, staging, deadline)
             if fetched is None:
-                self._fail_all([p for r in rounds[k:] for p in r], failed, "timeout")
+                self._fail_all([p for r in load_rounds[k:] for p in r], failed, "timeout")
                 return
             self._record_fetched(fetched)  # its intact blocks are in the KV cache already
             for f in fetched:
@@ -418,7 +372,7 @@ class StoreLoader:
             return
         # a give-up waits for a running scatter (memory speed), never for a get
         gate = KVWriteGate(self._async_lock, lambda: not job.given_up)
-        for part in self._rounds([job.transfer], staging.slots):
+        for part in rounds([job.transfer], staging.slots):
             with self._async_lock:
                 if job.given_up:
                     return
@@ -433,7 +387,7 @@ class StoreLoader:
     def _run_async_parts(self, job: _AsyncLoad, view: KVBlockView, trailers: TrailerArea) -> None:
         """Loader thread, zero copy: each round straight into the KV blocks, verified there; a
         give-up (abort, deadline) stops it between rounds."""
-        for part in self._rounds([job.transfer], trailers.slots):
+        for part in rounds([job.transfer], trailers.slots):
             for transfer in part:
                 with self._async_lock:
                     if job.given_up:

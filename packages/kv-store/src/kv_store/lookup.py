@@ -1,10 +1,13 @@
 """How many tokens an external hit is worth, and when to stop asking a backend that does not
-answer. No vLLM, no backend: pure functions and a clock-driven breaker."""
+answer. No vLLM, no backend: pure functions and the lookups' settings of kv-common's breaker."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+
+from kv_common.breaker import Breaker
+from kv_common.retry import Backoff
 
 
 def leading_present(present_per_rank: Sequence[Sequence[bool]]) -> int:
@@ -41,44 +44,13 @@ def external_tokens(num_computed_tokens: int, first_block: int, present_blocks: 
     return max(0, end - num_computed_tokens)
 
 
-class LookupBreaker:
-    """Circuit breaker for lookups: ``threshold`` timeouts in a row open it for ``backoff_s``.
+def lookup_breaker(threshold: int, backoff_s: float, clock: Callable[[], float] = time.monotonic) -> Breaker:
+    """The lookups' circuit breaker: ``threshold`` timeouts in a row open it for ``backoff_s``.
 
-    While open, ``allow()`` is False and the scheduler answers "miss" at once instead of waiting
-    ``lookup_timeout_s`` per request on a backend that is hung. When the back-off ends, the next
-    lookup is a probe: an answer closes the breaker, another timeout opens it again at once.
-    ``threshold <= 0`` disables it.
+    While open (``cooling_down``), ``allow()`` is False and the scheduler answers "miss" at once
+    instead of waiting ``lookup_timeout_s`` per request on a backend that is hung. When the back-off
+    ends, every lookup goes through again: an answer closes the breaker, another timeout opens it
+    again at once (for ``backoff_s`` again). ``threshold <= 0`` disables it; ``backoff_s <= 0``
+    lets the next lookup through at once.
     """
-
-    def __init__(self, threshold: int, backoff_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.threshold = threshold
-        self.backoff_s = backoff_s
-        self._clock = clock
-        self.consecutive_timeouts = 0
-        self.open_until: float | None = None
-        self.times_opened = 0
-
-    def allow(self) -> bool:
-        if self.open_until is None:
-            return True
-        if self._clock() >= self.open_until:
-            self.open_until = None  # half-open: one more timeout re-opens it (count kept)
-            return True
-        return False
-
-    @property
-    def is_open(self) -> bool:
-        return self.open_until is not None and self._clock() < self.open_until
-
-    def record_answer(self) -> None:
-        self.consecutive_timeouts = 0
-        self.open_until = None
-
-    def record_timeout(self) -> bool:
-        """Count a timeout; True when this one opened the breaker."""
-        self.consecutive_timeouts += 1
-        if self.threshold <= 0 or self.consecutive_timeouts < self.threshold or self.is_open:
-            return False
-        self.open_until = self._clock() + self.backoff_s
-        self.times_opened += 1
-        return True
+    return Breaker(threshold, Backoff(max(0.0, backoff_s), factor=1.0), half_open="all", clock=clock)

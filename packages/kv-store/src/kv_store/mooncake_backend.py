@@ -27,9 +27,10 @@ import ctypes
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from kv_common.backend import Backend, BackendError, scatter_into_parts
+from kv_common.backend import Backend, BackendCapabilities, BackendError, scatter_into_parts
 from kv_common.logging_utils import get_logger
 
 logger = get_logger(__name__)
@@ -134,12 +135,14 @@ def buffer_address(buffer: memoryview) -> int:
 class MooncakeBackend(Backend):
     name = "mooncake"
     pass_bytes = None  # one RPC per request: a call costs a round trip to the master
+    capabilities = BackendCapabilities(zero_copy_parts=True, parts_at_address=True)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         overrides = {"batch_put_parts", "batch_get_parts"} & set(cls.__dict__)
         if overrides and not {"batch_put_parts_at", "batch_get_parts_at"} & set(cls.__dict__):
-            cls.batch_put_parts_at = cls.batch_get_parts_at = None  # type: ignore[assignment]  # the override sees every parts call
+            # the override sees every parts call
+            cls.capabilities = replace(cls.capabilities, parts_at_address=False)
 
     def call_bound_s(self, nbytes: int) -> float | None:
         return mooncake_call_bound_s(str(self.options.get("protocol", "")), nbytes, self._timeouts)
@@ -264,7 +267,7 @@ class MooncakeBackend(Backend):
                 out.append(int(code))
         return out
 
-    # ---- zero-copy parts (kv_common.store_connector's optional protocol) ----------------------
+    # ---- zero-copy parts (capabilities.zero_copy_parts) --------------------------------------
     def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
         """Each value from several registered buffers (KV slices + trailer), no gather copy."""
         if not self._ready or not keys:
@@ -285,7 +288,7 @@ class MooncakeBackend(Backend):
             return [scatter_into_parts(self._store.get(key) or None, bufs) for key, bufs in zip(keys, parts, strict=True)]
         return self._get_results(self._store.batch_get_into_multi_buffers(list(keys), ptrs, sizes), sizes)
 
-    # ---- the parts by address (the store core computes them for a whole pass) -----------------
+    # ---- the parts by address (capabilities.parts_at_address: computed for a whole pass) -----
     def batch_put_parts_at(self, keys: Sequence[str], addresses: Sequence[Sequence[int]],
                            sizes: Sequence[Sequence[int]]) -> list[bool]:
         """``batch_put_parts`` of values whose parts are given as addresses and sizes; every part

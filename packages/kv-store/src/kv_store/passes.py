@@ -1,6 +1,7 @@
 """A request's blocks cut into backend calls ("passes"), and each call overlapped with the CPU work
 on its neighbour: the value check of a pass runs on the caller's thread while the backend moves
-the next (loads) or the previous (saves) pass on a second thread.
+the next (loads) or the previous (saves) pass on a second thread. Loads larger than the buffer
+rows go in ``rounds``; ``calls_bound_s`` is how long the backend lets their calls run.
 
 - Pass size is the backend's (``Backend.pass_bytes``): cache-sized for a memory backend, so the
   check reads bytes the copy just brought into cache; the whole request for an RPC backend, whose
@@ -10,14 +11,21 @@ the next (loads) or the previous (saves) pass on a second thread.
   thread (``io_executor``): beside the check, a second thread only added GIL hand-offs (measured
   ~10 % slower at 128 KiB values).
 - Every call is waited for before these functions return, even after a failure: nothing a call
-  writes lands in a buffer the caller has already handed back (a KV block vLLM recomputes).
+  writes lands in a buffer the caller has already handed back (a KV block vLLM recomputes). A
+  fetch that its waiter may give up on at a deadline writes into the KV cache only through a
+  ``KVWriteGate``, which the waiter closes before it reports the blocks for recompute.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from kv_common.backend import Backend
+
+from kv_store.metadata import BlockTransfer
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -63,6 +71,65 @@ def double_buffered(n: int, value_size: int, pass_bytes: int | None, slots: int)
         return [(0, n)] if n else [], 0
     per = blocks_per_call(value_size, pass_bytes, max(1, slots // 2))
     return spans(n, per), per if 2 * per <= slots else 0
+
+
+def rounds(loads: Sequence[BlockTransfer], slots: int) -> list[list[BlockTransfer]]:
+    """Group loads so each round fits ``slots`` buffer rows (splitting large requests)."""
+    out: list[list[BlockTransfer]] = [[]]
+    used = 0
+    for transfer in loads:
+        n = len(transfer.block_hashes)
+        for lo, hi in spans(n, slots):
+            part = BlockTransfer(
+                request_id=transfer.request_id,
+                block_hashes=transfer.block_hashes[lo:hi],
+                block_ids=[g[lo:hi] for g in transfer.block_ids],
+            )
+            if used + (hi - lo) > slots:
+                out.append([])
+                used = 0
+            out[-1].append(part)
+            used += hi - lo
+    return [r for r in out if r]
+
+
+def calls_bound_s(loads: Iterable[BlockTransfer], value_size: int, backend: Backend) -> float | None:
+    """Seconds within which the backend itself ends every call moving ``loads`` (each cut into
+    passes of the backend's size), by ``Backend.call_bound_s``; None when a call is unbounded."""
+    total = 0.0
+    for transfer in loads:
+        n = len(transfer.block_hashes)
+        for lo, hi in spans(n, blocks_per_call(value_size, backend.pass_bytes, n)):
+            bound = backend.call_bound_s((hi - lo) * value_size)
+            if bound is None:
+                return None
+            total += bound
+    return total
+
+
+class KVWriteGate:
+    """The KV-cache writes of a fetch that another thread waits for, with a deadline: each write runs
+    under ``lock`` while the gate is open; once the waiter closes it (``close``: it gave up and is
+    about to report the blocks for recompute), no write starts, and one running is waited for (a
+    copy at memory speed, never a backend call). ``is_open``: another condition under the same lock
+    (an async load's give-up)."""
+
+    def __init__(self, lock: threading.Lock | None = None, is_open: Callable[[], bool] | None = None) -> None:
+        self._lock = lock or threading.Lock()
+        self._closed = False
+        self._is_open = is_open or (lambda: True)
+
+    def write(self, copy: Callable[[], None]) -> bool:
+        """Run ``copy`` unless closed; whether it ran."""
+        with self._lock:
+            if self._closed or not self._is_open():
+                return False
+            copy()
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
 
 
 def puts_overlapped(io: Executor, count: int, prepare: Callable[[int], T | None],

@@ -27,10 +27,10 @@ from kv_common.logging_utils import get_logger
 
 from kv_store.codec import TRAILER_SIZE
 from kv_store.config import StoreConnectorConfig
-from kv_store.kv_view import KVBlockView
+from kv_store.kv_view import CacheBuffers, KVBlockView
 from kv_store.metadata import BlockTransfer, StorePlan
 from kv_store.passes import blocks_per_call, double_buffered, io_executor, puts_overlapped, spans
-from kv_store.staging import CacheBuffers, TrailerArea, supports_parts_at
+from kv_store.staging import TrailerArea
 from kv_store.store_access import StoreAccess
 
 logger = get_logger(__name__)
@@ -129,7 +129,7 @@ class StoreSaver:
         # value (the Backend contract), and the scheduler asks for saves only past its hit.
         keys = self._store.keys(transfer.block_hashes)
         # trailers: the zero-copy path is on (host KV, a parts backend); the joined save needs no trailers
-        if trailers is not None and callable(getattr(self._store.backend, "batch_put_owned", None)):
+        if trailers is not None and self._store.backend.capabilities.owned_puts:
             self._save_joined(view, transfer, keys)
             return
         if trailers is not None and self._parts_saves_safe():
@@ -175,7 +175,7 @@ class StoreSaver:
 
         backend = self._store.backend
         self._put_passes(view, transfer, keys, passes, 0, prepare,
-                         lambda k, keys, values: backend.batch_put_owned(keys, values))  # type: ignore[attr-defined]
+                         lambda k, keys, values: backend.batch_put_owned(keys, values))
 
     def _save_parts(self, view: KVBlockView, transfer: BlockTransfer, keys: Sequence[str],
                     trailers: TrailerArea) -> None:
@@ -195,14 +195,14 @@ class StoreSaver:
             return values
 
         backend = self._store.backend
-        by_address = supports_parts_at(backend)
+        by_address = backend.capabilities.parts_at_address
 
         def put(k: int, keys: list[str], values: list[list[memoryview]]) -> Sequence[bool]:
             if by_address:  # the same parts, by address: computed for the pass at once
                 lo, hi = passes[k]
                 rows = view.part_rows(transfer, lo, hi, trailers.addresses((k % 2) * half, hi - lo))
-                return backend.batch_put_parts_at(keys, *rows)  # type: ignore[attr-defined]
-            return backend.batch_put_parts(keys, values)  # type: ignore[attr-defined]
+                return backend.batch_put_parts_at(keys, *rows)
+            return backend.batch_put_parts(keys, values)
 
         self._put_passes(view, transfer, keys, passes, half, prepare, put)
 

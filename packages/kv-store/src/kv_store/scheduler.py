@@ -20,7 +20,7 @@ from kv_common.logging_utils import get_logger
 from kv_store import group_blocks
 from kv_store import keys as keys_mod
 from kv_store.config import StoreConnectorConfig
-from kv_store.lookup import LookupBreaker, external_tokens, leading_present, loadable_blocks
+from kv_store.lookup import external_tokens, leading_present, loadable_blocks, lookup_breaker
 from kv_store.metadata import BlockTransfer, StorePlan, StoreReport
 from kv_store.stats import StoreStats
 
@@ -102,7 +102,7 @@ class StoreScheduler:
         self._async_loaded: set[str] = set()
         self._events: deque[Any] = deque(maxlen=MAX_EVENTS)
         self._lookup_errors_logged = False
-        self._breaker = LookupBreaker(config.lookup_breaker_threshold, config.lookup_backoff_s, clock)
+        self._breaker = lookup_breaker(config.lookup_breaker_threshold, config.lookup_backoff_s, clock)
         # block hash -> (parent hash, token ids) of saves in flight, for BlockStored events
         self._block_tokens: dict[bytes, tuple[bytes | None, list[int]]] = {}
         # block hash -> rank tags that stored it, until every tag has (oldest first, bounded)
@@ -137,18 +137,18 @@ class StoreScheduler:
         try:
             result = lookup.future.result(timeout=max(wait_s, 0.0))
         except FutureTimeout:
-            if self._clock() < lookup.deadline and not self._breaker.is_open:
+            if self._clock() < lookup.deadline and not self._breaker.cooling_down:
                 return False
             lookup.future.cancel()
             lookup.present = 0
-            if self._breaker.is_open:  # opened by another lookup meanwhile: do not wait out this one
+            if self._breaker.cooling_down:  # opened by another lookup meanwhile: do not wait out this one
                 return True
             self.stats.incr("lookup_timeouts")
-            if self._breaker.record_timeout():
+            if self._breaker.failure():
                 self.stats.incr("lookup_breaker_opened")
                 logger.warning(
                     "store lookup timed out %d times in a row (%.3fs each): not asking the backend for %.0fs "
-                    "(every lookup is a miss meanwhile)", self._breaker.consecutive_timeouts,
+                    "(every lookup is a miss meanwhile)", self._breaker.failures,
                     self.config.lookup_timeout_s, self.config.lookup_backoff_s,
                 )
             else:
@@ -161,7 +161,7 @@ class StoreScheduler:
                 self._lookup_errors_logged = True
             lookup.present = 0
             return True
-        self._breaker.record_answer()
+        self._breaker.success()
         lookup.present = int(result)
         return True
 

@@ -2,21 +2,21 @@
 
 - Staging: value-sized rows that blocks are gathered into before a put and fetched into before
   their scatter (pinned host memory when the KV cache is on a device).
-- Zero-copy "parts" path: a backend that also offers ``batch_put_parts(keys, parts)`` and
-  ``batch_get_parts(keys, parts)`` (each value given as a list of buffers: one block slice per
-  layer, then its 16-byte trailer) moves values straight between the paged KV cache and the store:
-  no staging copy, the checksum computed and verified over the KV slices in place. The worker
-  registers every layer's KV tensor with such a backend (``register_buffer``), and two trailer
-  areas (saves, loads). A backend that takes the parts' addresses instead (``batch_put_parts_at``
-  / ``batch_get_parts_at(keys, addresses, sizes)``, each row a value's parts inside the registered
-  buffers) is given them computed for a whole pass at once (``KVBlockView.part_rows``).
+- Zero-copy "parts" path: a backend that declares ``capabilities.zero_copy_parts``
+  (``batch_put_parts(keys, parts)`` and ``batch_get_parts(keys, parts)``, each value given as a
+  list of buffers: one block slice per layer, then its 16-byte trailer) moves values straight
+  between the paged KV cache and the store: no staging copy, the checksum computed and verified
+  over the KV slices in place. The worker registers every layer's KV tensor with such a backend
+  (``register_buffer``), and two trailer areas (saves, loads). A backend that also declares
+  ``capabilities.parts_at_address`` (``batch_put_parts_at`` / ``batch_get_parts_at(keys,
+  addresses, sizes)``, each row a value's parts inside the registered buffers) is given them
+  computed for a whole pass at once (``KVBlockView.part_rows``).
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 from kv_common import device
@@ -24,9 +24,6 @@ from kv_common.backend import Backend
 from kv_common.logging_utils import get_logger
 
 from kv_store import codec
-
-if TYPE_CHECKING:
-    from kv_store.kv_view import KVBlockView
 
 logger = get_logger(__name__)
 
@@ -79,26 +76,6 @@ class TrailerArea:
         return [self.address + slot * ts for slot in range(first, first + n)]
 
 
-@dataclass(frozen=True)
-class CacheBuffers:
-    """The registered KV cache and one role's buffers: its staging rows and, on the zero-copy
-    parts path, its trailer area (None: staging path)."""
-
-    view: KVBlockView
-    staging: Staging
-    trailers: TrailerArea | None
-
-
-def supports_parts(backend: Backend) -> bool:
-    return callable(getattr(backend, "batch_put_parts", None)) and callable(getattr(backend, "batch_get_parts", None))
-
-
-def supports_parts_at(backend: Backend) -> bool:
-    """The parts protocol by address: ``batch_put_parts_at`` / ``batch_get_parts_at``."""
-    return callable(getattr(backend, "batch_put_parts_at", None)) and callable(
-        getattr(backend, "batch_get_parts_at", None))
-
-
 class ZeroCopyParts:
     """The KV tensors and two trailer areas, registered with a parts backend."""
 
@@ -111,17 +88,13 @@ class ZeroCopyParts:
         self._tensors: list[torch.Tensor] = []  # keep the trailer areas' memory alive
 
     @classmethod
-    def register(cls, backend: Backend, view: KVBlockView, slots: int) -> ZeroCopyParts | None:
-        """None (staging path) when a registration fails."""
+    def register(cls, backend: Backend, kv_buffers: Sequence[memoryview], slots: int) -> ZeroCopyParts | None:
+        """``kv_buffers``: the host KV cache, each allocation once (``KVBlockView.host_buffers``);
+        None (staging path) when a registration fails."""
         parts = cls(backend)
-        seen: set[tuple[int, int]] = set()
         try:
-            for layer in view.layers:
-                span = (device.data_ptr(layer.blocks), layer.blocks.numel())
-                if span not in seen:  # layers may share one allocation
-                    seen.add(span)
-                    assert layer.flat is not None  # host KV: every layer has one
-                    parts._add(layer.flat)
+            for buffer in kv_buffers:
+                parts._add(buffer)
             for _ in range(2):
                 tensor = torch.zeros(slots * codec.TRAILER_SIZE, dtype=torch.uint8)
                 parts._add(device.host_bytes(tensor))

@@ -24,13 +24,13 @@ from kv_common.logging_utils import get_logger
 from kv_store import codec
 from kv_store import keys as keys_mod
 from kv_store.config import StoreConnectorConfig
-from kv_store.kv_view import KVBlockView, KVHeads
+from kv_store.kv_view import CacheBuffers, KVBlockView, KVHeads
 from kv_store.loader import StoreLoader
 from kv_store.metadata import StorePlan, StoreReport
 from kv_store.report import BlockReport
 from kv_store.saver import StoreSaver
 from kv_store.seal import ValueSeal
-from kv_store.staging import CacheBuffers, Staging, ZeroCopyParts, supports_parts
+from kv_store.staging import Staging, ZeroCopyParts
 from kv_store.stats import StoreStats
 from kv_store.store_access import StoreAccess
 
@@ -71,7 +71,7 @@ class StoreWorker:
         self.ledger = ledger if ledger is not None else FailureLedger()
         self._host_kv = host_kv
         self._heads = KVHeads(kv_heads, head_size, use_mla) if kv_heads and head_size else None
-        self._zero_copy = zero_copy and supports_parts(backend)
+        self._zero_copy = zero_copy and backend.capabilities.zero_copy_parts
         self.view: KVBlockView | None = None
         self._save_staging: Staging | None = None
         self._load_staging: Staging | None = None
@@ -95,7 +95,7 @@ class StoreWorker:
         self.view, self._save_staging, self._load_staging = view, save, load
         # backends register host memory: device KV always goes through staging
         if self._zero_copy and view.host_kv:
-            self._parts = ZeroCopyParts.register(self.backend, view, save.slots)
+            self._parts = ZeroCopyParts.register(self.backend, view.host_buffers(), save.slots)
         parts = self._parts
         self.saver.attach(CacheBuffers(view, save, parts.save_trailers if parts is not None else None))
         self.loader.attach(CacheBuffers(view, load, parts.load_trailers if parts is not None else None))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from kv_common.backend import Backend
+from kv_common.backend import Backend, BackendCapabilities, calls_lacking
 
 
 def _key(tag: str) -> str:
@@ -103,6 +103,31 @@ class BackendContract:
         assert (small is None) == (large is None)
         if small is not None and large is not None:
             assert 0 <= small <= large
+
+    def test_declared_capabilities_have_their_calls(self, backend: Backend) -> None:
+        """A caller reads ``capabilities`` instead of probing for methods: each call a declared
+        capability promises is the backend's own, not ``Backend``'s default (which raises)."""
+        assert isinstance(backend.capabilities, BackendCapabilities)
+        assert calls_lacking(backend) == []
+
+    def test_declared_zero_copy_parts_round_trip(self, backend: Backend) -> None:
+        """``zero_copy_parts``: a value put as parts reads back whole, and into parts cut elsewhere."""
+        if not backend.capabilities.zero_copy_parts:
+            return
+        key, cut = _key("parts"), self.value_size // 3
+        src, (value,) = _buffers(1, self.value_size)
+        src[:] = os.urandom(len(src))
+        self._register(backend, src)
+        assert backend.batch_put_parts([key], [[value[:cut], value[cut:]]]) == [True]
+        dst, (out,) = _buffers(1, self.value_size)
+        self._register(backend, dst)
+        assert backend.batch_get_into([key], [out]) == [self.value_size]
+        assert dst == src
+        parts, (into,) = _buffers(1, self.value_size)
+        self._register(backend, parts)
+        assert backend.batch_get_parts([key, _key("missing")], [[into[: 2 * cut], into[2 * cut :]], [out]]) == [
+            self.value_size, -1]
+        assert parts == src
 
     def test_get_into_too_small_buffer_is_a_miss_not_an_overrun(self, backend: Backend) -> None:
         key = _key("big")

@@ -1,22 +1,29 @@
 """Which instance serves the next leg: least outstanding tokens, round-robin on ties.
 
 Pure bookkeeping (no I/O, no clock): the proxy calls :meth:`InstancePool.acquire` / ``release``
-around every leg and ``mark_down`` / ``mark_up`` on failures and health probes. Instances added at
-run time join on their first good health probe; removed ones drain (no new legs) and leave the pool
-once nothing of theirs is in flight (:mod:`.operations`).
+around every leg and ``mark_down`` / ``mark_up`` on failures and health probes (each instance's
+circuit breaker: out after one failure, back in after one success; no cool-down, the health loop
+probes). Instances added at run time join on their first good health probe; removed ones drain (no
+new legs) and leave the pool once nothing of theirs is in flight (:mod:`.operations`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kv_common.breaker import Breaker
+
+
+def instance_breaker() -> Breaker:
+    """Open after one failed leg or health probe, until a served leg or a good probe closes it."""
+    return Breaker(threshold=1, cooldown=None)
 
 
 @dataclass
 class Instance:
     url: str
     role: str  # "prefill" | "decode"
-    healthy: bool = True
     outstanding_tokens: int = 0
     in_flight: int = 0
     last_error: str = ""
@@ -25,6 +32,12 @@ class Instance:
     holds: int = 0
     joining: bool = False  # added at run time, waiting for its first good health probe
     draining: bool = False  # removed at run time: no new legs, leaves once idle
+    breaker: Breaker = field(default_factory=instance_breaker, repr=False, compare=False)
+
+    @property
+    def healthy(self) -> bool:
+        """Joined, and no failure since its last success."""
+        return not self.joining and self.breaker.state == "closed"
 
     @property
     def in_rotation(self) -> bool:
@@ -72,13 +85,15 @@ class InstancePool:
     def mark_down(self, instance: Instance, reason: str) -> bool:
         """Take an instance out; True when it was healthy until now."""
         was = instance.healthy
-        instance.healthy, instance.last_error = False, reason
+        instance.breaker.failure()
+        instance.last_error = reason
         return was
 
     def mark_up(self, instance: Instance) -> bool:
         """Probe succeeded: back in; True when it was out until now."""
         was = instance.healthy
-        instance.healthy, instance.last_error = True, ""
+        instance.breaker.success()
+        instance.last_error = ""
         return not was
 
     def any_healthy(self) -> bool:
@@ -91,7 +106,7 @@ class InstancePool:
         """A new instance (out of rotation until its first good probe when ``joining``)."""
         if self.find(url) is not None:
             raise ValueError(f"{self.role} {url} is in the pool already")
-        inst = Instance(url=url, role=self.role, healthy=not joining, joining=joining)
+        inst = Instance(url=url, role=self.role, joining=joining)
         self.instances.append(inst)
         return inst
 

@@ -21,6 +21,13 @@ import msgspec
 from kv_mooncake.proxy.metrics import ProxyMetrics
 from kv_mooncake.proxy.prefix_index import PrefixIndex
 
+try:
+    import zmq
+    import zmq.asyncio
+except ImportError as exc:  # pyzmq comes with the proxy's extra, never with the connector
+    raise ImportError(f"{exc}: kv-mooncake-proxy's KV-event subscriber needs pyzmq, "
+                      "install the proxy's extra: pip install 'kv-mooncake[proxy]'") from exc
+
 logger = logging.getLogger("kv_mooncake.proxy")
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -98,9 +105,6 @@ class KvEventsSubscriber:
                 await task
 
     async def _listen(self, url: str, endpoint: str) -> None:
-        import zmq
-        import zmq.asyncio
-
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)

@@ -20,9 +20,10 @@ from typing import Any
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
+from kv_common.retry import Retry
 from starlette.types import Receive, Scope, Send
 
-from kv_mooncake.proxy.balancer import Instance, InstancePool, requested_max_tokens
+from kv_mooncake.proxy.balancer import Instance, requested_max_tokens
 from kv_mooncake.proxy.bodies import (
     decode_request_body,
     error_response,
@@ -47,6 +48,9 @@ from kv_mooncake.proxy.upstreams import Upstreams
 logger = logging.getLogger("kv_mooncake.proxy")
 
 _MAX_ERROR_BODY = 64 << 10  # bytes of an upstream error answer kept (passed on or logged)
+# A leg is tried once more, at once, on another instance of its role; the request's deadline
+# (``Exchange.budget``) bounds both tries.
+LEG_RETRY = Retry(total=2)
 
 
 class RelayResponse(StreamingResponse):
@@ -140,15 +144,16 @@ class Relay:
             raise PassThrough(response.status_code, await self._read_bounded(response),
                               response.headers.get("content-type"))
 
-    def _attempts(self, pool: InstancePool, credit: dict[str, int] | None = None) -> Iterator[Instance]:
-        """The instance for a leg and, after a retry-worthy failure, one other (tried once more)."""
+    def _attempts(self, role: str, tokens: int, credit: dict[str, int] | None = None) -> Iterator[Instance]:
+        """The instance for a leg, acquired for ``tokens`` (the caller releases it), and after each
+        retry-worthy failure another one, as ``LEG_RETRY`` allows."""
         tried: list[str] = []
-        for attempt in range(2):
-            inst = pool.pick(exclude=tried, credit=credit)
+        while LEG_RETRY.allows(len(tried)):
+            inst = self.upstreams.take(role, tokens, exclude=tried, credit=credit)
             if inst is None:
                 return
-            if attempt:
-                self.metrics.retries.labels(pool.role).inc()
+            if tried:
+                self.metrics.retries.labels(role).inc()
             tried.append(inst.url)
             yield inst
 
@@ -190,10 +195,9 @@ class Relay:
         leg_body = prefill_request_body(body)
         reasons: list[str] = []
         credit = prefill_credit(self.indexes, prompt) if self.indexes else None
-        for inst in self._attempts(self.upstreams.prefills, credit):
+        for inst in self._attempts("prefill", tokens, credit):
             if credit is not None and prompt is not None:
                 self.metrics.prefix_routed.labels("hit" if credit.get(inst.url) else "miss").inc()
-            self.upstreams.acquire(inst, tokens)
             t0 = time.monotonic()
             try:
                 params = await asyncio.wait_for(self._prefill_once(inst, path, leg_body, ex),
@@ -241,17 +245,17 @@ class Relay:
         """Per decode URL, prompt tokens it holds (KV events), when --decode-only-cached asks."""
         if not self.config.decode_only_cached or not self.indexes:
             return {}
-        decodes = {i.url for i in self.upstreams.decodes.instances}
+        decodes = self.upstreams.urls("decode")
         return prefill_credit({u: x for u, x in self.indexes.items() if u in decodes}, prompt)
 
     async def _decode(self, path: str, body: dict, ex: Exchange, tokens: int, stream: bool,
                       credit: dict[str, int] | None = None) -> DecodeLeg:
         reasons: list[str] = []
-        for inst in self._attempts(self.upstreams.decodes, credit):  # a retry keeps the kv_transfer_params
-            # A non-streamed answer arrives whole: its first byte is its last, bounded by the request.
-            first_byte_s = ex.budget(self.config.first_byte_timeout_s if stream else self.config.request_timeout_s)
-            self.upstreams.acquire(inst, tokens)
+        # A non-streamed answer arrives whole: its first byte is its last, bounded by the request.
+        first_byte_timeout_s = self.config.first_byte_timeout_s if stream else self.config.request_timeout_s
+        for inst in self._attempts("decode", tokens, credit):  # a retry keeps the kv_transfer_params
             try:
+                first_byte_s = ex.budget(first_byte_timeout_s)  # past the deadline: released below
                 leg = await asyncio.wait_for(self._decode_once(inst, path, body, ex, tokens), first_byte_s)
             except (asyncio.TimeoutError, TimeoutError):
                 self.upstreams.release(inst, tokens)

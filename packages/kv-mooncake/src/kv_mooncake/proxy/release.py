@@ -6,17 +6,17 @@ request never reached it (the client left between the legs, the decode answered 
 was down). The proxy then sends MooncakeConnectorV1's ``FreeNow`` to each prefill rank's side
 channel. FreeNow is idempotent and waits for reads under a current lease, so a late or duplicate
 one never pulls blocks from under a decode. Prefills with a side-channel secret take it sealed with
-``KV_SECRET`` from the proxy's environment (``kv_mooncake.side_channel_auth``).
+``KV_SECRET`` from the proxy's environment (``kv_mooncake.wire.seal``).
 """
 
 from __future__ import annotations
 
 from kv_common.logging_utils import get_logger
 
-from kv_mooncake import protocol as P
-from kv_mooncake import side_channel
-from kv_mooncake.side_channel_auth import auth_from_env
-from kv_mooncake.transfer_params import parse_transfer_params
+from kv_mooncake.params import parse_transfer_params
+from kv_mooncake.wire import client as side_channel
+from kv_mooncake.wire import messages as P
+from kv_mooncake.wire.seal import auth_from_env
 
 logger = get_logger(__name__)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection, Mapping
 
 import httpx
 
@@ -103,10 +104,21 @@ class Upstreams:
         inst.holds = max(0, inst.holds - 1)
         self._retire_if_drained(inst)
 
+    def urls(self, role: str) -> set[str]:
+        """Every instance of ``role`` in the pool (joining and draining ones too)."""
+        return {i.url for i in self.pool(role).instances}
+
     # ---- around every leg
-    def acquire(self, inst: Instance, tokens: int) -> None:
-        self._pool(inst).acquire(inst, tokens)
-        self._publish(inst)
+    def take(self, role: str, tokens: int, exclude: Collection[str] = (),
+             credit: Mapping[str, int] | None = None) -> Instance | None:
+        """The instance of ``role`` for a leg (:meth:`InstancePool.pick`), acquired for ``tokens``
+        in the same call; None when none is left. Give it back with ``release(instance, tokens)``."""
+        pool = self.pool(role)
+        inst = pool.pick(exclude=exclude, credit=credit)
+        if inst is not None:
+            pool.acquire(inst, tokens)
+            self._publish(inst)
+        return inst
 
     def release(self, inst: Instance, tokens: int) -> None:
         self._pool(inst).release(inst, tokens)

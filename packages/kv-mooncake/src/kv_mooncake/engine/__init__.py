@@ -1,0 +1,1 @@
+"""The Mooncake TransferEngine wrapper, its per-peer budgets and first contact, and pacing."""

@@ -1,0 +1,1 @@
+"""The prefill side: the hold ledger and the responder that answers readers."""

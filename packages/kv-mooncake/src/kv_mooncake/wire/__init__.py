@@ -1,0 +1,1 @@
+"""What decode, prefill and proxy say to each other: messages, framing, the seal, connections."""
