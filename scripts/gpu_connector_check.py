@@ -51,17 +51,19 @@ class Instance:
 
     def __init__(self, cfg: Any, groups: Any, *, producer: bool, seed: int, num_blocks: int = NUM_BLOCKS,
                  block_bytes: int = BLOCK_BYTES, layers: list[str] = LAYERS) -> None:
+        from kv_common.kv_byte_settings import KVByteSettings
         from kv_common.testing.ports import free_port
-        from kv_mooncake.worker import LocalCache, MooncakeWorker
+        from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext
 
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
         self.block_bytes = block_bytes
         self.layers = [torch.randint(0, 256, (num_blocks * block_bytes,), dtype=torch.uint8, device=DEVICE,
                                      generator=gen) for _ in layers]
         self.before = [t.clone() for t in self.layers]
-        self.worker = MooncakeWorker(cfg, engine_id="P" if producer else "D", is_producer=producer,
-                                     is_consumer=not producer, side_channel_port=free_port(), total_kv_heads=HEADS,
-                                     compatibility_base={"model": "m"}, kv_groups=groups)
+        self.worker = MooncakeWorker(cfg, RankContext(engine_id="P" if producer else "D", is_producer=producer,
+                                                      is_consumer=not producer, side_channel_port=free_port(),
+                                                      total_kv_heads=HEADS, kv_byte_settings=KVByteSettings(model="m"),
+                                                      kv_groups=groups))
         cache = LocalCache(layers, [t.data_ptr() for t in self.layers], [block_bytes] * len(layers), num_blocks,
                            HEADS)
         self.worker.register_cache(cache, {"block_size": BLOCK, "head_size": 8, "num_layers": len(layers)},
@@ -73,14 +75,14 @@ class Instance:
 
 
 def _pull(decode: Instance, port: int, remote: list[list[int]], local: list[list[int]],
-          group_blocks: list[tuple[int, int]], num_blocks: int) -> tuple[set[int], float]:
+          blocks_by_group: list[tuple[int, int]]) -> tuple[set[int], float]:
+    from kv_mooncake.group_blocks import GroupBlocks
     from kv_mooncake.params import RemoteSource
     from kv_mooncake.step import MooncakeStep, PullRequest
 
-    source = RemoteSource(engine_id="P", host="127.0.0.1", port=port, request_id="r", block_ids=remote[0],
-                          block_ids_by_group=remote)
-    pull = PullRequest(request_id="d-r", source=source, local_block_ids=local, num_blocks=num_blocks,
-                       skip_blocks=0, group_blocks=group_blocks)
+    source = RemoteSource(engine_id="P", host="127.0.0.1", port=port, request_id="r", block_ids_by_group=remote)
+    pull = PullRequest(request_id="d-r", source=source, local_block_ids=local,
+                       blocks_by_group=[GroupBlocks(*blocks) for blocks in blocks_by_group], check_null_blocks=True)
     start = time.perf_counter()
     decode.worker.start_step(MooncakeStep(pulls=[pull]))
     deadline = time.monotonic() + 30
@@ -105,7 +107,7 @@ def check_p2p_hybrid() -> dict[str, Any]:
         held = sorted({b for g in REMOTE for b in g if b})
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=len(held),
                                                                   block_ids=held)]))
-        errors, seconds = _pull(decode, prefill.worker.side_channel_port, REMOTE, LOCAL, [(0, 6), (4, 6)], 6)
+        errors, seconds = _pull(decode, prefill.worker.context.side_channel_port, REMOTE, LOCAL, [(0, 6), (4, 6)])
         assert errors == set(), f"load errors {sorted(errors)}"
         _sync()
         moved = set()
@@ -149,7 +151,7 @@ def check_p2p_bulk() -> dict[str, Any]:
             ids = list(range(1, blocks + 1))
             prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=blocks,
                                                                       block_ids=ids)]))
-            errors, seconds = _pull(decode, prefill.worker.side_channel_port, [ids], [ids], [(0, blocks)], blocks)
+            errors, seconds = _pull(decode, prefill.worker.context.side_channel_port, [ids], [ids], [(0, blocks)])
             assert errors == set(), f"load errors {sorted(errors)}"
             times.append(seconds)
             deadline = time.monotonic() + 10

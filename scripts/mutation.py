@@ -61,6 +61,11 @@ def _tests(*names: str) -> tuple[str, ...]:
 TARGETS = [
     Target("kv-mooncake", "kv_mooncake/pull/plan.py",
            _tests("test_pull_plan_mutants", "test_pull_plan", "test_kv_layouts")),
+    # Moved out of pull_plan.py with the rooms (issue 43): who the ranks are, which blocks per group.
+    Target("kv-mooncake", "kv_mooncake/rank_layout.py",
+           _tests("test_pull_plan_mutants", "test_pull_plan", "test_kv_layouts")),
+    Target("kv-mooncake", "kv_mooncake/group_blocks.py",
+           _tests("test_hybrid_groups", "test_pull_plan", "test_hybrid_pull")),
     Target("kv-mooncake", "kv_mooncake/hold/ledger.py",
            _tests("test_delayed_free_mutants", "test_delayed_free", "test_hold_protocol_model", "test_hold_protocol")),
     # What must match (fingerprint, prompt digest, KV digest): one module since the rooms (issue 43).

@@ -67,17 +67,17 @@ def _kv_caches(block_bytes: int, num_blocks: int, pattern: bool):
 
 
 def _worker(producer: bool, port: int, heads: int, verify_kv: bool = False):
+    from kv_common.kv_byte_settings import KVByteSettings
     from kv_mooncake.config import MooncakeConfig
     from kv_mooncake.rank_layout import PrefillLayout
-    from kv_mooncake.worker import MooncakeWorker
+    from kv_mooncake.worker import MooncakeWorker, RankContext
 
     cfg = MooncakeConfig(side_channel_host="127.0.0.1", hold_timeout_s=600.0, lease_s=60.0, pull_timeout_s=120.0,
                          verify_kv=verify_kv)
-    return MooncakeWorker(
-        cfg, engine_id=ENGINE_ID, is_producer=producer, is_consumer=not producer, side_channel_port=port,
-        prefill_layout=PrefillLayout(tp_size=1, total_kv_heads=heads), total_kv_heads=heads,
-        compatibility_base={"model": "bench"},
-    )
+    return MooncakeWorker(cfg, RankContext(engine_id=ENGINE_ID, is_producer=producer, is_consumer=not producer,
+                                           side_channel_port=port,
+                                           prefill_layout=PrefillLayout(tp_size=1, total_kv_heads=heads),
+                                           total_kv_heads=heads, kv_byte_settings=KVByteSettings(model="bench")))
 
 
 # ---------------------------------------------------------------- prefill side (child process)
@@ -184,6 +184,7 @@ def measure(block_bytes: int, total_bytes: int, reps: int, verify_kv: bool = Fal
     import numpy as np
     import torch
     from kv_mooncake.connector import MooncakeConnectorMetadata
+    from kv_mooncake.group_blocks import GroupBlocks
     from kv_mooncake.params import RemoteSource
     from kv_mooncake.pull.plan import plan_pulls, request_seed
     from kv_mooncake.rank_layout import PrefillRank
@@ -212,11 +213,11 @@ def measure(block_bytes: int, total_bytes: int, reps: int, verify_kv: bool = Fal
             rid = f"bench-{block_bytes}-{total_bytes}-{rep}"
             hold_s = prefill.hold(rid, remote_ids)
             source = RemoteSource(engine_id=ENGINE_ID, host="127.0.0.1", port=prefill.port, request_id=rid,
-                                  block_ids=remote_ids)
-            req = PullRequest(request_id=rid, source=source, local_block_ids=[local_ids], num_blocks=per_pull,
-                              skip_blocks=0)
-            pull = plan_pulls(decode.prefill_layout, decode.decode_layout, decode.decode_rank, per_pull, 0,
-                              request_seed(rid))[0]
+                                  block_ids_by_group=[remote_ids])
+            req = PullRequest(request_id=rid, source=source, local_block_ids=[local_ids],
+                              blocks_by_group=[GroupBlocks(0, per_pull)])
+            pull = plan_pulls(decode.prefill_layout, decode.context.decode_layout, decode.context.decode_rank,
+                              per_pull, 0, request_seed(rid))[0]
             assert pull.source == PrefillRank(0, 0)
             idx = torch.tensor(local_ids)
             for r in rows:

@@ -62,12 +62,14 @@ def _regions(num_blocks: int, pattern: bool):
 
 
 def _worker(engine_id: str, producer: bool, port: int, layers, num_blocks: int):
+    from kv_common.kv_byte_settings import KVByteSettings
     from kv_mooncake.config import MooncakeConfig
-    from kv_mooncake.worker import LocalCache, MooncakeWorker
+    from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext
 
     cfg = MooncakeConfig(side_channel_host="127.0.0.1", hold_timeout_s=600.0, lease_s=60.0, pull_timeout_s=120.0)
-    w = MooncakeWorker(cfg, engine_id=engine_id, is_producer=producer, is_consumer=not producer,
-                       side_channel_port=port, total_kv_heads=HEADS, compatibility_base={"model": "bench"})
+    w = MooncakeWorker(cfg, RankContext(engine_id=engine_id, is_producer=producer, is_consumer=not producer,
+                                        side_channel_port=port, total_kv_heads=HEADS,
+                                        kv_byte_settings=KVByteSettings(model="bench")))
     cache = LocalCache([f"l{i}" for i in range(NUM_LAYERS)], [a.ctypes.data for a in layers],
                        [BLOCK_BYTES] * NUM_LAYERS, num_blocks, HEADS)
     w.register_cache(cache, {"block_size": 16, "head_size": BLOCK_BYTES // HEADS // 16 // 8, "num_layers": NUM_LAYERS},
@@ -150,6 +152,7 @@ def _raw_reads(engine, prefills, plan, local_bases) -> float:
 
 def measure(num_prefills: int, in_flight: int, rounds: int) -> dict:
     import numpy as np
+    from kv_mooncake.group_blocks import GroupBlocks
     from kv_mooncake.params import RemoteSource
     from kv_mooncake.step import MooncakeStep, PullRequest
 
@@ -177,11 +180,11 @@ def measure(num_prefills: int, in_flight: int, rounds: int) -> dict:
                 p.hold(h)
             for a in local:
                 a[:] = 0
-            pulls = [PullRequest(request_id=f"r{rnd}-{i}", local_block_ids=[local_ids], num_blocks=BLOCKS_PER_REQUEST,
-                                 skip_blocks=0,
+            pulls = [PullRequest(request_id=f"r{rnd}-{i}", local_block_ids=[local_ids],
+                                 blocks_by_group=[GroupBlocks(0, BLOCKS_PER_REQUEST)],
                                  source=RemoteSource(engine_id=prefills[p].engine_id, host="127.0.0.1",
                                                      port=prefills[p].port, request_id=f"r{rnd}-{i}",
-                                                     block_ids=remote))
+                                                     block_ids_by_group=[remote]))
                      for i, (p, remote, local_ids) in enumerate(plan)]
             t0 = time.perf_counter()
             decode.start_step(MooncakeStep(pulls=pulls))

@@ -71,6 +71,29 @@ def test_half_open_lets_all_through_and_one_failure_reopens():
     assert b.cooling_down
 
 
+def test_failure_while_open_reopens_for_the_next_cooldown():
+    clock = Clock()
+    b = Breaker(cooldown=Backoff(1.0, factor=2.0, max_s=3.0), failure_while_open="reopen", clock=clock)
+    assert b.failure()
+    clock.now = 0.5
+    assert b.failure()  # still cooling down: open again, from now, for the next cool-down (2 s)
+    assert b.failures == 2
+    clock.now = 2.49
+    assert not b.allow()
+    clock.now = 2.5
+    assert b.allow() and b.state == "half_open"
+    assert b.failure()  # the probe failed: capped at 3 s
+    clock.now = 3.0
+    assert b.failure()  # and a late one restarts it, still capped
+    clock.now = 5.99
+    assert not b.allow()
+    clock.now = 6.0
+    assert b.allow() and b.success() and b.state == "closed"
+    assert b.failure()  # the schedule starts over after a success
+    clock.now = 7.0
+    assert b.allow()
+
+
 def test_without_cooldown_open_until_a_success():
     clock = Clock()
     b = Breaker(threshold=1, cooldown=None, clock=clock)

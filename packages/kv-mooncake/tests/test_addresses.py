@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from kv_common.testing.ports import free_port
 from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.group_blocks import GroupBlocks
 from kv_mooncake.params import RemoteSource
 from kv_mooncake.scheduler import MooncakeScheduler
 from kv_mooncake.step import MooncakeStep, PullRequest
@@ -55,17 +56,20 @@ def test_addresses_of_each_listener():
 def test_the_worker_listens_on_and_advertises_the_default_address(monkeypatch):
     pytest.importorskip("mooncake.engine")
     np = pytest.importorskip("numpy")
-    from kv_mooncake.worker import LocalCache, MooncakeWorker, query_leaks
+    from kv_common.kv_byte_settings import KVByteSettings
+    from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext, query_leaks
 
     monkeypatch.setenv("VLLM_HOST_IP", OTHER_LOCAL)
     layer = np.zeros(4 * 1024, dtype=np.uint8)
-    worker = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=True, is_consumer=False,
-                            side_channel_port=free_port(OTHER_LOCAL), compatibility_base={"model": "m"})
+    worker = MooncakeWorker(MooncakeConfig(), RankContext(engine_id="P", is_producer=True, is_consumer=False,
+                                                          side_channel_port=free_port(OTHER_LOCAL),
+                                                          kv_byte_settings=KVByteSettings(model="m")))
     try:
         worker.register_cache(LocalCache(["l0"], [layer.ctypes.data], [1024], 4, 1),
                               {"block_size": 16, "head_size": 8, "num_layers": 1}, "float32")
         assert worker.te.rpc_address.startswith(f"{OTHER_LOCAL}:")
-        assert worker.server is not None and worker.server.address == f"{OTHER_LOCAL}:{worker.side_channel_port}"
+        assert worker.server is not None
+        assert worker.server.address == f"{OTHER_LOCAL}:{worker.context.side_channel_port}"
         assert query_leaks(worker.server.address)["held_blocks"] == 0
     finally:
         worker.close()
@@ -74,11 +78,12 @@ def test_the_worker_listens_on_and_advertises_the_default_address(monkeypatch):
 def test_an_address_that_cannot_be_bound_names_the_settings(monkeypatch):
     from conftest import FakeTransferEngine
     from kv_mooncake.errors import SideChannelError
-    from kv_mooncake.worker import LocalCache, MooncakeWorker
+    from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext
 
     monkeypatch.setenv("VLLM_HOST_IP", "192.0.2.213")  # TEST-NET-1: not this machine's
-    worker = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=True, is_consumer=False,
-                            side_channel_port=free_port(), engine_factory=FakeTransferEngine)
+    worker = MooncakeWorker(MooncakeConfig(), RankContext(engine_id="P", is_producer=True, is_consumer=False,
+                                                          side_channel_port=free_port()),
+                            engine_factory=FakeTransferEngine)
     try:
         with pytest.raises(SideChannelError, match="side_channel_bind_host.*VLLM_HOST_IP.*'192.0.2.213'"):
             worker.register_cache(LocalCache(["l0"], [0], [1024], 4, 1),
@@ -89,11 +94,12 @@ def test_an_address_that_cannot_be_bound_names_the_settings(monkeypatch):
 
 def test_an_unspecified_address_is_a_warning_at_start(monkeypatch, caplog):
     from conftest import FakeTransferEngine
-    from kv_mooncake.worker import LocalCache, MooncakeWorker
+    from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext
 
     monkeypatch.setenv("VLLM_HOST_IP", "0.0.0.0")  # what vLLM's helper answers when it finds no route
-    worker = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=True, is_consumer=False,
-                            side_channel_port=free_port(), engine_factory=FakeTransferEngine)
+    worker = MooncakeWorker(MooncakeConfig(), RankContext(engine_id="P", is_producer=True, is_consumer=False,
+                                                          side_channel_port=free_port()),
+                            engine_factory=FakeTransferEngine)
     try:
         with caplog.at_level(logging.WARNING):
             worker.register_cache(LocalCache(["l0"], [0], [1024], 4, 1),
@@ -119,22 +125,23 @@ def test_doctor_prints_the_advertised_addresses(monkeypatch):
 def test_a_pull_to_an_address_where_nothing_listens_fails_at_once(caplog):
     pytest.importorskip("mooncake.engine")
     np = pytest.importorskip("numpy")
-    from kv_mooncake.worker import LocalCache, MooncakeWorker
+    from kv_common.kv_byte_settings import KVByteSettings
+    from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext
 
     config = MooncakeConfig(side_channel_host="127.0.0.1", pull_timeout_s=30.0)
     layer = np.zeros(8 * 1024, dtype=np.uint8)
-    decode = MooncakeWorker(config, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=1,
-                            compatibility_base={"model": "m"})
+    decode = MooncakeWorker(config, RankContext(engine_id="D", is_producer=False, is_consumer=True,
+                                                side_channel_port=1, kv_byte_settings=KVByteSettings(model="m")))
     closed = free_port()  # nothing listens there
     try:
         decode.register_cache(LocalCache(["l0"], [layer.ctypes.data], [1024], 8, 1),
                               {"block_size": 16, "head_size": 8, "num_layers": 1}, "float32")
-        source = RemoteSource(engine_id="P", host="127.0.0.1", port=closed, request_id="r", block_ids=[0, 1])
+        source = RemoteSource(engine_id="P", host="127.0.0.1", port=closed, request_id="r", block_ids_by_group=[[0, 1]])
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING):
             decode.start_step(MooncakeStep(pulls=[PullRequest(request_id="r", source=source,
-                                                              local_block_ids=[[3, 4]], num_blocks=2,
-                                                              skip_blocks=0)]))
+                                                              local_block_ids=[[3, 4]],
+                                                              blocks_by_group=[GroupBlocks(0, 2)])]))
             while "r" not in (decode.get_finished()[1] or ()) and time.monotonic() - t0 < 35:
                 time.sleep(0.005)
         took = time.monotonic() - t0

@@ -30,6 +30,7 @@ import random
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_mooncake.errors import PlanError
 from kv_mooncake.identity import unsupported_settings
 from kv_mooncake.pull.plan import plan_pulls, request_seed
@@ -130,8 +131,8 @@ def _needed(d: VllmPlacement, skip_tokens: int) -> dict:
 
 
 def _fingerprint(tp, pcp, dcp, interleave):
-    return {"pipeline_parallel_size": 1, "tp_size": tp, "pcp_size": pcp, "dcp_size": dcp,
-            "block_size": BLOCK, "cp_kv_cache_interleave_size": interleave}
+    return KVByteSettings(model="m", pipeline_parallel_size=1, tp_size=tp, pcp_size=pcp, dcp_size=dcp,
+                          block_size=BLOCK, cp_kv_cache_interleave_size=interleave)
 
 
 def _vllm_accepts(tp, pcp, dcp, heads, use_mla, interleave):

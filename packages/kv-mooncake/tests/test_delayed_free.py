@@ -5,7 +5,7 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_mooncake.hold.ledger import DelayedFreeTracker
+from kv_mooncake.hold.ledger import HoldLedger
 
 
 class FakeClock:
@@ -24,7 +24,7 @@ def make(clock: FakeClock | None = None):
         with lock:
             freed.append((request_id, reason))
 
-    tracker = DelayedFreeTracker(free_fn, clock=clock or FakeClock())
+    tracker = HoldLedger(free_fn, clock=clock or FakeClock())
     return tracker, freed
 
 
@@ -196,7 +196,7 @@ def test_free_fn_failure_does_not_block_others(caplog):
         if request_id == "bad":
             raise RuntimeError("boom")
 
-    tracker = DelayedFreeTracker(free_fn, clock=clock)
+    tracker = HoldLedger(free_fn, clock=clock)
     tracker.hold("bad", 1, 1)
     tracker.hold("good", 1, 1)
     clock.now += 2
@@ -211,7 +211,7 @@ def test_free_fn_may_reenter_tracker():
     def free_fn(request_id, reason):
         seen.append((request_id, len(tracker)))  # would deadlock if called under the lock
 
-    tracker = DelayedFreeTracker(free_fn)
+    tracker = HoldLedger(free_fn)
     tracker.hold("r", 1, 10)
     tracker.done("r", "a")
     assert seen == [("r", 0)]
@@ -311,3 +311,112 @@ def test_random_interleavings(ops, expected):
     counts = Counter(f for f, _ in freed)
     assert sorted(counts) == requests
     assert set(counts.values()) == {1}
+
+
+# ---- the readers' messages, one ledger call each (issue 43) -----------------------------------------
+
+def _held(clock: FakeClock | None = None, digest: str | None = "pd"):
+    from kv_mooncake.hold.ledger import HeldBlocks
+
+    ledger, freed = make(clock)
+    ledger.hold("r", 1, 10.0, HeldBlocks(2, frozenset({4, 5}), None, digest))
+    return ledger, freed
+
+
+def _start(ledger, reader="a", blocks=(4, 5), digest="pd", expected=1):
+    return ledger.start_read("r", reader, expected_readers=expected, block_ids=blocks, prompt_digest=digest,
+                             lease_s=3.0)
+
+
+def test_start_read_grants_held_blocks_for_the_held_prompt_only():
+    from kv_mooncake.hold.ledger import NotHeld, ReadGranted, ReadRefused
+
+    clock = FakeClock()
+    ledger, _ = _held(clock)
+    clock.now += 2.0
+    granted = _start(ledger)
+    assert isinstance(granted, ReadGranted) and granted.held_for_s == 2.0 and granted.blocks.block_ids == {4, 5}
+    other = _start(ledger, reader="b", blocks=(4, 6))
+    assert isinstance(other, ReadRefused) and "block ids [6] not held for this request" in other.reason
+    none = _start(ledger, reader="b", blocks=())
+    assert isinstance(none, ReadRefused) and "no block ids" in none.reason
+    forged = _start(ledger, reader="b", digest="other")
+    assert isinstance(forged, ReadRefused) and "'other'" in forged.reason and "'pd'" not in forged.reason
+    missing = _start(ledger, reader="b", digest="")
+    assert isinstance(missing, ReadRefused) and "'missing'" in missing.reason
+    assert ledger.counts()["active_reads"] == 1  # refused readers took no lease
+    unchecked, _ = _held(digest=None)
+    assert isinstance(_start(unchecked, digest="any"), ReadGranted)  # a hold without a digest checks none
+    assert _start(make()[0]) == NotHeld(None)  # not held yet: the reader may retry
+
+
+def test_messages_about_a_freed_request_are_told_why():
+    from kv_mooncake.hold.ledger import NotHeld
+
+    ledger, freed = _held()
+    ledger.free_now("r")
+    assert freed == [("r", "aborted")]
+    assert _start(ledger) == NotHeld("aborted")
+    assert ledger.renew_read("r", "a", 3.0) == NotHeld("aborted")
+    assert ledger.keep_hold("r", 3.0, 10.0) == NotHeld("aborted")
+    assert ledger.finish_read("r", "a", 1) is False
+    assert ledger.freed_reason("r") == "aborted" and not ledger._overtaken
+
+
+def test_renew_and_keep_alive_answer_none_while_held():
+    from kv_mooncake.hold.ledger import NotHeld
+
+    ledger, _ = _held()
+    assert ledger.renew_read("r", "a", 3.0) == NotHeld(None)  # no lease to renew yet
+    _start(ledger)
+    assert ledger.renew_read("r", "a", 3.0) is None
+    assert ledger.keep_hold("r", 3.0, 10.0) is None
+
+
+def test_finish_read_confirms_a_lease_that_held_and_repeats_the_answer():
+    ledger, freed = _held()
+    _start(ledger, expected=2)
+    _start(ledger, reader="b", expected=2)
+    assert ledger.finish_read("r", "a", 2) is True
+    assert freed == []  # b still reads
+    assert ledger.finish_read("r", "a", 2) is True  # a repeated DONE: the same answer
+    assert ledger.finish_read("r", "b", 2) is True and freed == [("r", "done")]
+    assert ledger.finish_read("r", "b", 2) is True  # after the free too
+    assert ledger.finish_read("r", "c", 2) is False  # never took a lease
+
+
+def test_a_done_and_a_free_now_before_the_hold_apply_when_it_comes():
+    from kv_mooncake.hold.ledger import HeldBlocks
+
+    ledger, freed = make()
+    assert ledger.finish_read("r", "a", 2) is False  # before its hold: kept for it
+    ledger.hold("r", 1, 10.0, HeldBlocks(1, frozenset({1})))
+    assert freed == [] and ledger.held() == {"r"}  # one of the two announced readers is done
+    assert ledger.finish_read("r", "a", 2) is False  # its lease was never in this hold
+    ledger.free_now("s")
+    ledger.hold("s", 1, 10.0)
+    assert freed == [("s", "aborted")]
+    ledger.finish_read("t", "a", 1)
+    ledger.hold("t", 1, 10.0)
+    assert freed[-1] == ("t", "done") and ledger.take_freed() == {"s", "t"}
+    ledger.finish_read("t", "late", 1)
+    assert not ledger._overtaken  # a DONE after the free is not kept for another hold
+
+
+def test_free_now_waits_for_a_reader_under_a_current_lease():
+    clock = FakeClock()
+    ledger, freed = _held(clock)
+    _start(ledger)
+    ledger.free_now("r")
+    assert freed == [] and ledger.keep_hold("r", 3.0, 10.0) is not None  # aborted: not kept alive
+    assert ledger.finish_read("r", "a", 1) is True and freed == [("r", "aborted")]
+
+
+def test_a_new_hold_forgets_the_confirmations_of_the_last():
+    from kv_mooncake.hold.ledger import HeldBlocks
+
+    ledger, _ = _held()
+    _start(ledger, expected=2)
+    assert ledger.finish_read("r", "a", 2) is True
+    ledger.hold("r", 1, 10.0, HeldBlocks(1, frozenset({9})))  # held again, other blocks
+    assert ledger.finish_read("r", "a", 2) is False

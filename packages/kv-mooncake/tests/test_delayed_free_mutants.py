@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from kv_mooncake.hold.ledger import DelayedFreeTracker, HeldBlocks
+from kv_mooncake.hold.ledger import HeldBlocks, HoldLedger
 
 T0 = 1000.0
 
@@ -32,7 +32,7 @@ def freed():
 
 @pytest.fixture
 def tracker(clock, freed):
-    return DelayedFreeTracker(lambda rid, reason: freed.append((rid, reason)), clock=clock)
+    return HoldLedger(lambda rid, reason: freed.append((rid, reason)), clock=clock)
 
 
 @pytest.mark.parametrize("expected", [0, -1])

@@ -3,7 +3,7 @@ the prefill says it has held a request's blocks."""
 
 from __future__ import annotations
 
-from kv_mooncake.hold.ledger import DelayedFreeTracker, HeldBlocks
+from kv_mooncake.hold.ledger import HeldBlocks, HoldLedger
 from kv_mooncake.pull.lease import lease_covers_read
 
 
@@ -22,7 +22,7 @@ def test_a_read_begun_after_the_ack_is_under_the_lease():
 
 def test_held_for_restarts_when_a_re_hold_changes_the_blocks():
     now = [100.0]
-    tracker = DelayedFreeTracker(lambda *_: None, clock=lambda: now[0])
+    tracker = HoldLedger(lambda *_: None, clock=lambda: now[0])
     assert tracker.held_for("r") is None
     tracker.hold("r", 1, 60.0, HeldBlocks(1, frozenset({5})))
     now[0] = 102.0

@@ -4,12 +4,13 @@ setting named. Written against the survivors of the mutation run (docs/mutation-
 from __future__ import annotations
 
 import pytest
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_mooncake.identity import unsupported_settings
 
 
-def fp(pp: int = 1, dcp: int = 1, pcp: int = 1, block: int = 16, interleave: int = 1) -> dict:
-    return {"pipeline_parallel_size": pp, "dcp_size": dcp, "pcp_size": pcp, "block_size": block,
-            "cp_kv_cache_interleave_size": interleave}
+def fp(pp: int = 1, dcp: int = 1, pcp: int = 1, block: int = 16, interleave: int = 1) -> KVByteSettings:
+    return KVByteSettings(model="m", pipeline_parallel_size=pp, dcp_size=dcp, pcp_size=pcp, block_size=block,
+                          cp_kv_cache_interleave_size=interleave)
 
 
 @pytest.mark.parametrize("consumer", [False, True])

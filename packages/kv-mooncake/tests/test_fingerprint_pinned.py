@@ -3,6 +3,7 @@ value differently would make this release refuse a peer of the previous one for 
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from kv_common.testing.fake_vllm_config import PINNED_CONFIGS, fake_vllm_config
 from kv_mooncake.identity import config_fingerprint
@@ -24,4 +25,4 @@ PINNED = {
 
 @pytest.mark.parametrize("name", sorted(PINNED_CONFIGS))
 def test_config_fingerprint_is_pinned(name):
-    assert config_fingerprint(fake_vllm_config(**PINNED_CONFIGS[name])) == PINNED[name]
+    assert msgspec.structs.asdict(config_fingerprint(fake_vllm_config(**PINNED_CONFIGS[name]))) == PINNED[name]

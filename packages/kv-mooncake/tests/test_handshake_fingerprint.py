@@ -10,11 +10,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import FakeTransferEngine  # noqa: E402
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
 from kv_mooncake.identity import config_fingerprint, unsupported_settings
 from kv_mooncake.rank_layout import PrefillLayout
 from kv_mooncake.wire import messages as P
-from kv_mooncake.worker import MooncakeWorker
+from kv_mooncake.worker import MooncakeWorker, RankContext
 
 HEADS, HEAD = 4, 8
 
@@ -31,23 +32,23 @@ def _vllm_config(**over):
 
 
 def test_config_fingerprint_names_the_cache_dtype():
-    assert config_fingerprint(_vllm_config())["cache_dtype"] == "float16"  # auto: the model's dtype
-    assert config_fingerprint(_vllm_config(cache_dtype="fp8_e4m3"))["cache_dtype"] == "fp8_e4m3"
-    assert config_fingerprint(_vllm_config(cache_dtype="fp8_e5m2"))["cache_dtype"] == "fp8_e5m2"
+    assert config_fingerprint(_vllm_config()).cache_dtype == "float16"  # auto: the model's dtype
+    assert config_fingerprint(_vllm_config(cache_dtype="fp8_e4m3")).cache_dtype == "fp8_e4m3"
+    assert config_fingerprint(_vllm_config(cache_dtype="fp8_e5m2")).cache_dtype == "fp8_e5m2"
     fp = config_fingerprint(_vllm_config(revision="abc", quantization="fp8"))
-    assert (fp["revision"], fp["quantization"], fp["model_dtype"]) == ("abc", "fp8", "float16")
+    assert (fp.revision, fp.quantization, fp.model_dtype) == ("abc", "fp8", "float16")
     # One DCP rank: any interleave size is block-level, so a DCP 1 prefill matches a DCP 2 decode.
-    assert config_fingerprint(_vllm_config(interleave=1))["cp_kv_cache_interleave_size"] == 16
-    assert config_fingerprint(_vllm_config(dcp=2, interleave=16))["cp_kv_cache_interleave_size"] == 16
+    assert config_fingerprint(_vllm_config(interleave=1)).cp_kv_cache_interleave_size == 16
+    assert config_fingerprint(_vllm_config(dcp=2, interleave=16)).cp_kv_cache_interleave_size == 16
 
 
-def _worker(engine_id, *, tensors=None, tp=1, **base):
-    compat = {"model": "m", "heads_on_rank": HEADS // tp, "head_size": HEAD, "block_size": 16,
-              "cache_dtype": "uint8", "model_dtype": "bfloat16", **base}
-    w = MooncakeWorker(MooncakeConfig(), engine_id=engine_id, is_producer=False, is_consumer=False,
-                       side_channel_port=1, total_kv_heads=HEADS,
-                       prefill_layout=PrefillLayout(tp_size=tp, total_kv_heads=HEADS),
-                       compatibility_base=compat, engine_factory=FakeTransferEngine)
+def _worker(engine_id, *, tensors=None, tp=1, **settings):
+    kv_bytes = KVByteSettings(**{"model": "m", "block_size": 16, "cache_dtype": "uint8", "model_dtype": "bfloat16",
+                                 **settings})
+    context = RankContext(engine_id=engine_id, is_producer=False, is_consumer=False, side_channel_port=1,
+                          total_kv_heads=HEADS, prefill_layout=PrefillLayout(tp_size=tp, total_kv_heads=HEADS),
+                          kv_byte_settings=kv_bytes, kv_shape=(HEADS // tp, HEAD))
+    w = MooncakeWorker(MooncakeConfig(), context, engine_factory=FakeTransferEngine)
     if tensors is None:
         tensors = {f"l{i}": torch.zeros(4, HEADS // tp, 16, 2 * HEAD, dtype=torch.uint8) for i in range(2)}
     w.register_kv_caches(tensors)
@@ -55,7 +56,7 @@ def _worker(engine_id, *, tensors=None, tp=1, **base):
 
 
 def _refusal(prefill, decode) -> str:
-    reply = prefill.handle(P.Handshake(engine_id=prefill.engine_id, compatibility=decode.compatibility,
+    reply = prefill.handle(P.Handshake(engine_id=prefill.context.engine_id, compatibility=decode.compatibility,
                                        reader_id="d"))
     assert isinstance(reply, P.Refused), f"not refused: {reply}"
     return reply.reason

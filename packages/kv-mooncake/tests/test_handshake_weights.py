@@ -3,6 +3,7 @@ model weights and both short digests (the path, revision and shapes all agree)."
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -10,6 +11,7 @@ for _module in ("transformers", "tokenizers", "safetensors"):
     pytest.importorskip(_module)
 
 from conftest import FakeTransferEngine  # noqa: E402
+from kv_common.kv_byte_settings import KVByteSettings  # noqa: E402
 from kv_common.testing.fake_vllm_config import fake_vllm_config  # noqa: E402
 from kv_common.testing.model_weights import copy_model, rewrite_weights_in_place  # noqa: E402
 from kv_common.testing.tiny_model import cached_tiny_model  # noqa: E402
@@ -17,7 +19,7 @@ from kv_mooncake.config import MooncakeConfig  # noqa: E402
 from kv_mooncake.identity import config_fingerprint
 from kv_mooncake.rank_layout import PrefillLayout
 from kv_mooncake.wire import messages as P
-from kv_mooncake.worker import MooncakeWorker
+from kv_mooncake.worker import MooncakeWorker, RankContext
 
 HEADS, HEAD = 4, 32
 
@@ -27,12 +29,12 @@ def model(tmp_path):
     return copy_model(cached_tiny_model(), tmp_path / "model")
 
 
-def _worker(fingerprint) -> MooncakeWorker:
+def _worker(fingerprint: KVByteSettings) -> MooncakeWorker:
     # as MooncakeConnectorV1 builds it: the config fingerprint plus this rank's KV shape
-    w = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=False, is_consumer=False, side_channel_port=1,
-                       total_kv_heads=HEADS, prefill_layout=PrefillLayout(tp_size=1, total_kv_heads=HEADS),
-                       compatibility_base={**fingerprint, "heads_on_rank": HEADS, "head_size": HEAD},
-                       engine_factory=FakeTransferEngine)
+    context = RankContext(engine_id="P", is_producer=False, is_consumer=False, side_channel_port=1,
+                          total_kv_heads=HEADS, prefill_layout=PrefillLayout(tp_size=1, total_kv_heads=HEADS),
+                          kv_byte_settings=fingerprint, kv_shape=(HEADS, HEAD))
+    w = MooncakeWorker(MooncakeConfig(), context, engine_factory=FakeTransferEngine)
     w.register_kv_caches({f"l{i}": torch.zeros(4, HEADS, 16, 2 * HEAD) for i in range(2)})
     return w
 
@@ -45,9 +47,8 @@ def test_config_fingerprint_names_the_weights(model):
     before = config_fingerprint(fake_vllm_config(model=str(model)))
     rewrite_weights_in_place(model, seed=1)
     after = config_fingerprint(fake_vllm_config(model=str(model)))
-    assert before["model_weights"] != after["model_weights"]
-    assert {k: v for k, v in before.items() if k != "model_weights"} == \
-        {k: v for k, v in after.items() if k != "model_weights"}
+    assert before.model_weights != after.model_weights
+    assert msgspec.structs.replace(before, model_weights="") == msgspec.structs.replace(after, model_weights="")
 
 
 def test_prefill_and_decode_with_other_weights_at_the_same_path_refuse_the_pull(model):

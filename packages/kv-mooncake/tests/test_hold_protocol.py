@@ -11,13 +11,15 @@ import time
 
 import pytest
 from conftest import FakeTransferEngine
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_common.testing.ports import free_port
 from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.group_blocks import GroupBlocks
 from kv_mooncake.params import RemoteSource
 from kv_mooncake.rank_layout import DecodeLayout, PrefillLayout, PrefillRank
 from kv_mooncake.step import HoldRequest, MooncakeStep, PullRequest
 from kv_mooncake.wire import messages as P
-from kv_mooncake.worker import LocalCache, MooncakeWorker
+from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext
 
 SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
 
@@ -43,9 +45,10 @@ def _cache() -> LocalCache:
 
 
 def _prefill(cfg: MooncakeConfig, port: int, rank: PrefillRank = PrefillRank(0, 0), tp: int = 1) -> MooncakeWorker:
-    w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=port,
-                       prefill_rank=rank, prefill_layout=PrefillLayout(tp_size=tp, total_kv_heads=4),
-                       total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    w = MooncakeWorker(cfg, RankContext(engine_id="P", is_producer=True, is_consumer=False, side_channel_port=port,
+                                        prefill_rank=rank, prefill_layout=PrefillLayout(tp_size=tp, total_kv_heads=4),
+                                        total_kv_heads=4, kv_byte_settings=KVByteSettings(model="m")),
+                       engine_factory=FakeTransferEngine)
     w.register_cache(_cache(), SHAPE, "float32")
     return w
 
@@ -101,16 +104,20 @@ def test_plan_error_on_the_decode_frees_every_prefill_rank_at_once():
     base = _free_port_range(2)
     cfg = MooncakeConfig(hold_timeout_s=60.0, lease_s=2.0)
     ranks = [_prefill(cfg, base, PrefillRank(t, 0), tp=2) for t in range(2)]
-    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=free_port(),
-                            decode_layout=DecodeLayout(tp_size=1, dcp_size=2), total_kv_heads=4,
-                            compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    decode = MooncakeWorker(cfg, RankContext(engine_id="D", is_producer=False, is_consumer=True,
+                                             side_channel_port=free_port(),
+                                             decode_layout=DecodeLayout(tp_size=1, dcp_size=2), total_kv_heads=4,
+                                             kv_byte_settings=KVByteSettings(model="m")),
+                            engine_factory=FakeTransferEngine)
     decode.register_cache(_cache(), SHAPE, "float32")
     try:
         for w in ranks:
             w.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[0, 1])]))
-        source = RemoteSource(engine_id="P", host="127.0.0.1", port=base, request_id="r", block_ids=[0, 1], tp_size=2)
+        source = RemoteSource(engine_id="P", host="127.0.0.1", port=base, request_id="r", block_ids_by_group=[[0, 1]],
+                              tp_size=2)
         decode.start_step(MooncakeStep(pulls=[PullRequest(request_id="d-r", source=source,
-                                                          local_block_ids=[[2, 3]], num_blocks=2, skip_blocks=0)]))
+                                                          local_block_ids=[[2, 3]],
+                                                          blocks_by_group=[GroupBlocks(0, 2)])]))
         deadline = time.monotonic() + 10
         recving: set[str] = set()
         while "d-r" not in recving and time.monotonic() < deadline:
@@ -119,7 +126,7 @@ def test_plan_error_on_the_decode_frees_every_prefill_rank_at_once():
         assert recving == {"d-r"}
         assert decode.ledger.take_block_ids_with_load_errors() == {2, 3}
         for w in ranks:
-            assert _wait_freed(w, "r", 5.0), f"prefill rank {w.prefill_rank} still holds after a plan error"
+            assert _wait_freed(w, "r", 5.0), f"prefill rank {w.context.prefill_rank} still holds after a plan error"
     finally:
         decode.close()
         for w in ranks:
@@ -154,11 +161,12 @@ def test_a_request_waiting_on_the_decode_keeps_its_hold_alive():
     prefill = _prefill(cfg, free_port())
     sched = MooncakeScheduler(cfg, engine_id="D", block_size=16, is_producer=False, is_consumer=True,
                               side_channel_port=free_port())
-    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=free_port(),
-                            total_kv_heads=4, engine_factory=FakeTransferEngine)
+    decode = MooncakeWorker(cfg, RankContext(engine_id="D", is_producer=False, is_consumer=True,
+                                             side_channel_port=free_port(), total_kv_heads=4),
+                            engine_factory=FakeTransferEngine)
     decode.register_cache(_cache(), SHAPE, "float32")
     prompt = list(range(20))
-    params = _prefill_params("r", prefill.side_channel_port, prompt)
+    params = _prefill_params("r", prefill.context.side_channel_port, prompt)
     req = SimpleNamespace(request_id="d-r", kv_transfer_params=params, prompt_token_ids=prompt,
                           status=SimpleNamespace(name="FINISHED_ABORTED"))
     try:
@@ -182,10 +190,10 @@ def test_a_request_waiting_on_the_decode_keeps_its_hold_alive():
 def test_keep_alive_is_capped():
     """A decode that keeps accepting but never pulls cannot hold prefill memory forever."""
     clock = [0.0]
-    from kv_mooncake.hold.ledger import DelayedFreeTracker
+    from kv_mooncake.hold.ledger import HoldLedger
 
     freed: list[tuple[str, str]] = []
-    tracker = DelayedFreeTracker(lambda r, why: freed.append((r, why)), clock=lambda: clock[0])
+    tracker = HoldLedger(lambda r, why: freed.append((r, why)), clock=lambda: clock[0])
     tracker.hold("r", 1, 2.0)
     for t in range(1, 20):
         clock[0] = float(t)
@@ -228,20 +236,51 @@ def test_heartbeats_to_a_frozen_prefill_do_not_delay_dones_to_a_healthy_one():
     frozen.listen(16)
     cfg = MooncakeConfig(hold_timeout_s=30.0, lease_s=3.0)
     prefill = _prefill(cfg, free_port())
-    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True, side_channel_port=free_port(),
-                            total_kv_heads=4, engine_factory=FakeTransferEngine)
+    decode = MooncakeWorker(cfg, RankContext(engine_id="D", is_producer=False, is_consumer=True,
+                                             side_channel_port=free_port(), total_kv_heads=4),
+                            engine_factory=FakeTransferEngine)
     decode.register_cache(_cache(), SHAPE, "float32")
     try:
         prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0])]))
         waiting = [RemoteSource(engine_id="P", host="127.0.0.1", port=frozen.getsockname()[1], request_id=f"f{i}",
-                                block_ids=[0]) for i in range(4)]
+                                block_ids_by_group=[[0]]) for i in range(4)]
         for _ in range(5):  # five engine steps, each with heartbeats for the four waiting requests
             decode.start_step(MooncakeStep(keepalives=waiting))
-        source = RemoteSource(engine_id="P", host="127.0.0.1", port=prefill.side_channel_port, request_id="r",
-                              block_ids=[0])
+        source = RemoteSource(engine_id="P", host="127.0.0.1", port=prefill.context.side_channel_port, request_id="r",
+                              block_ids_by_group=[[0]])
         decode.start_step(MooncakeStep(frees=[source]))  # the decode aborted "r": FreeNow, on the same path as DONE
         assert _wait_freed(prefill, "r", 5.0), "the FreeNow waited behind heartbeats to a frozen prefill"
     finally:
         decode.close()
         prefill.close()
         frozen.close()
+
+
+def test_a_message_that_comes_while_the_blocks_are_freed_is_told_they_were_freed():
+    """A reader's message that comes while the prefill frees a request's blocks (its free callback
+    running) is told the request was freed: "not held (yet)" would have it retry until its deadline,
+    and a DONE kept for a hold that never comes would linger. The hold's end and its reason are one
+    step of the ledger (issue 43: one record, one lock)."""
+    from kv_common.stats import TransferStatsBase
+    from kv_mooncake.hold.responder import PrefillHolder
+
+    holder = PrefillHolder(MooncakeConfig(), engine_id="P", prefill_layout=PrefillLayout(tp_size=1, total_kv_heads=4),
+                           stats=TransferStatsBase())
+    ledger = holder.ledger
+    replies: list[object] = []
+    free = ledger._free_fn
+
+    def freeing(request_id: str, reason: str) -> None:  # a reader's messages, in that instant
+        replies.append(holder.handle(P.PullStarted(request_id=request_id, reader_id="late", expected_readers=1,
+                                                   block_ids=[0])))
+        replies.append(holder.handle(P.PullDone(request_id=request_id, reader_id="late", ok=False)))
+        free(request_id, reason)
+
+    ledger._free_fn = freeing
+    holder.hold("r", 1, [0])
+    holder.handle(P.FreeNow(request_id="r"))
+    started, done = replies
+    assert isinstance(started, P.Refused) and "already freed (aborted)" in started.reason and not started.retry
+    assert isinstance(done, P.PullDoneReply) and not done.held_throughout
+    assert not ledger._overtaken  # nothing kept for a hold that will not come
+    assert holder.take_freed() == {"r"} and holder.counts()["held_requests"] == 0

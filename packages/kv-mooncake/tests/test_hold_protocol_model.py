@@ -20,10 +20,10 @@ from hypothesis import settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
-from kv_mooncake.hold.ledger import DelayedFreeTracker
+from kv_mooncake.hold.ledger import HoldLedger
 from kv_mooncake.step import HoldRequest, MooncakeStep
 from kv_mooncake.wire import messages as P
-from kv_mooncake.worker import MooncakeWorker
+from kv_mooncake.worker import MooncakeWorker, RankContext
 
 REQUESTS = ("r0", "r1", "r2")
 EXPECTED = {"r0": 1, "r1": 2, "r2": 2}  # decode ranks that read each request from this prefill rank
@@ -38,8 +38,9 @@ class HoldProtocol(RuleBasedStateMachine):
         self.now = 1000.0
         cfg = MooncakeConfig(hold_timeout_s=HOLD_S, lease_s=LEASE_S, keepalive_max_s=KEEPALIVE_MAX_S)
         self.done_readers: dict[str, set[str]] = {}  # distinct DONEs the prefill received
-        self.w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=1)
-        self.w.holder.tracker = DelayedFreeTracker(self.w.holder._on_free, clock=lambda: self.now)
+        self.w = MooncakeWorker(cfg, RankContext(engine_id="P", is_producer=True, is_consumer=False,
+                                                 side_channel_port=1))
+        self.w.holder.ledger = HoldLedger(self.w.holder._on_free, clock=lambda: self.now)
         self.network: list[tuple] = []  # (kind, request, reader, sent_at): in flight, any order
         self.freed: dict[str, int] = {}
         self.held: set[str] = set()  # held by the prefill (model view)
@@ -129,7 +130,7 @@ class HoldProtocol(RuleBasedStateMachine):
         self._collect()
 
     def deadline_ttl(self, request: str) -> float:
-        return self.w.holder.tracker._holds[request].ttl_s if request in self.w.holder.tracker._holds else HOLD_S
+        return self.w.holder.ledger._holds[request].ttl_s if request in self.w.holder.ledger._holds else HOLD_S
 
     # ---- reads and invariants --------------------------------------------------------------------
     @rule(reader=st.sampled_from(READERS), request=st.sampled_from(REQUESTS))
@@ -153,7 +154,7 @@ class HoldProtocol(RuleBasedStateMachine):
     @invariant()
     def freed_as_done_only_after_every_reader(self):
         for request in self.freed:
-            if self.w.holder._recently_freed.get(request) == "done":
+            if self.w.holder.ledger.freed_reason(request) == "done":
                 assert len(self.done_readers.get(request, ())) >= EXPECTED[request], (
                     f"{request} freed as done after {sorted(self.done_readers.get(request, ()))} of "
                     f"{EXPECTED[request]} readers")

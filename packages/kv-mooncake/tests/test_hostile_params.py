@@ -59,8 +59,9 @@ def assert_bounded(source: RemoteSource, prompt_len: int, block_size: int) -> No
     assert source.port >= 1 and source.port + ranks - 1 <= 65535, (source.port, ranks)
     assert 0 < len(source.host) <= 255 and 0 < len(source.engine_id) <= MAX_ID_CHARS
     assert 0 < len(source.request_id) <= MAX_ID_CHARS
-    assert len(source.block_ids) <= _blocks_needed(prompt_len, block_size) + 1, (len(source.block_ids), prompt_len)
-    assert all(isinstance(b, int) and 0 <= b <= MAX_BLOCK_ID for b in source.block_ids)
+    for ids in source.block_ids_by_group:
+        assert len(ids) <= _blocks_needed(prompt_len, block_size) + 1, (len(ids), prompt_len)
+        assert all(isinstance(b, int) and 0 <= b <= MAX_BLOCK_ID for b in ids)
 
 
 def assert_bounded_step(step: MooncakeStep, prompt_len: int, block_size: int) -> None:
@@ -132,7 +133,7 @@ def test_any_params_end_as_a_bounded_pull_or_a_local_computation(case, block_siz
     if is_async:  # accepted for a remote load: exactly one pull of the whole prompt follows
         assert matched == len(prompt) > 0
         assert [p.request_id for p in pulls] == ["d-r"]
-        assert pulls[0].num_blocks == _blocks_needed(len(prompt), block_size)
+        assert [blocks.end for blocks in pulls[0].blocks_by_group] == [_blocks_needed(len(prompt), block_size)]
     else:  # computed locally: nothing pulled, never asked about again
         assert matched == 0 and pulls == []
         assert not request.kv_transfer_params.get("do_remote_prefill")
@@ -163,7 +164,7 @@ def _decide(params, prompt=PROMPT, block_size=16):
 def test_a_valid_pull_is_still_pulled():
     decision, pulls, frees = _decide(_valid(PROMPT))
     assert decision == (40, True) and len(pulls) == 1 and frees == []
-    assert pulls[0].source.block_ids == [0, 1, 2]
+    assert pulls[0].source.block_ids_by_group == [[0, 1, 2]]
 
 
 def test_one_bad_value_still_lets_the_prefill_free():

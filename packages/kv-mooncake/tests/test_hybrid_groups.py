@@ -21,16 +21,18 @@ torch = pytest.importorskip("torch")
 kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
 
 from conftest import FakeTransferEngine  # noqa: E402
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_common.kv_cache_groups import KVGroup, UnsupportedKVGroup, kv_groups  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
+from kv_mooncake.group_blocks import GroupBlocks, group_blocks_to_pull
 from kv_mooncake.identity import group_layouts, prompt_digest
 from kv_mooncake.kv_regions import check_kv_cache_groups
-from kv_mooncake.params import MAX_KV_GROUPS, group_blocks_to_pull, pull_problem, read_transfer_params
+from kv_mooncake.params import MAX_KV_GROUPS, pull_problem, read_transfer_params
 from kv_mooncake.pull.plan import group_readers_per_prefill_rank, plan_group_pulls
 from kv_mooncake.rank_layout import DecodeLayout, PrefillLayout, PrefillRank
 from kv_mooncake.scheduler import MooncakeScheduler  # noqa: E402
 from kv_mooncake.wire import messages as P
-from kv_mooncake.worker import MooncakeWorker
+from kv_mooncake.worker import MooncakeWorker, RankContext
 
 HEADS, HEAD = 2, 8
 
@@ -267,8 +269,8 @@ def test_prefill_to_decode_per_group_round_trip():
                                                                                      [0, 0, 0, 0, 27, 28])), 23)
     pull = decode.build_step().pulls[0]
     # Window 6 after 23 tokens: tokens 18..22, blocks 4 and 5 of the sliding group; all 6 of the full one.
-    assert pull.group_blocks == [(0, 6), (4, 6)]
-    assert pull.source.group_block_ids() == [[1, 2, 3, 4, 5, 6], [0, 0, 0, 7, 8, 9]]
+    assert pull.blocks_by_group == [GroupBlocks(0, 6), GroupBlocks(4, 6)] and pull.check_null_blocks
+    assert pull.source.block_ids_by_group == [[1, 2, 3, 4, 5, 6], [0, 0, 0, 7, 8, 9]]
     assert pull.local_block_ids == [[21, 22, 23, 24, 25, 26], [0, 0, 0, 0, 27, 28]]
 
 
@@ -286,9 +288,10 @@ def test_a_window_the_prefill_dropped_is_computed_locally_with_one_warning(caplo
 
 # ---- the handshake compares group layouts --------------------------------------------------------
 def _worker(groups: tuple[KVGroup, ...]) -> MooncakeWorker:
-    w = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=False, is_consumer=False, side_channel_port=1,
-                       total_kv_heads=HEADS, compatibility_base={"model": "m", "block_size": 4}, kv_groups=groups,
-                       engine_factory=FakeTransferEngine)
+    w = MooncakeWorker(MooncakeConfig(), RankContext(engine_id="P", is_producer=False, is_consumer=False,
+                                                     side_channel_port=1, total_kv_heads=HEADS,
+                                                     kv_byte_settings=KVByteSettings(model="m", block_size=4),
+                                                     kv_groups=groups), engine_factory=FakeTransferEngine)
     names = [name for g in groups for name in g.layer_names] or ["model.layers.0.attn", "model.layers.1.attn"]
     w.register_kv_caches({name: torch.zeros(8, HEADS, 4, 2 * HEAD) for name in names})
     return w
@@ -321,9 +324,10 @@ def test_one_full_attention_group_keeps_the_fingerprint_of_a_peer_without_groups
 
 
 def test_layers_in_no_group_are_refused():
-    w = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=False, is_consumer=False, side_channel_port=1,
-                       total_kv_heads=HEADS, compatibility_base={"model": "m", "block_size": 4}, kv_groups=_groups(),
-                       engine_factory=FakeTransferEngine)
+    w = MooncakeWorker(MooncakeConfig(), RankContext(engine_id="P", is_producer=False, is_consumer=False,
+                                                     side_channel_port=1, total_kv_heads=HEADS,
+                                                     kv_byte_settings=KVByteSettings(model="m", block_size=4),
+                                                     kv_groups=_groups()), engine_factory=FakeTransferEngine)
     names = [n for g in _groups() for n in g.layer_names] + ["stray.0"]
     with pytest.raises(ValueError, match=r"\['stray.0'\] are in no KV-cache group"):
         w.register_kv_caches({name: torch.zeros(8, HEADS, 4, 2 * HEAD) for name in names})

@@ -12,11 +12,13 @@ import pytest
 np = pytest.importorskip("numpy")
 pytest.importorskip("mooncake.engine")
 
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_common.kv_cache_groups import KVGroup  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
+from kv_mooncake.group_blocks import GroupBlocks
 from kv_mooncake.params import RemoteSource
 from kv_mooncake.step import HoldRequest, MooncakeStep, PullRequest
-from kv_mooncake.worker import LocalCache, MooncakeWorker
+from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 BLOCK, NUM_BLOCKS, BLOCK_BYTES, HEADS = 4, 32, 1024, 2
@@ -33,9 +35,10 @@ class Instance:
 
         rng = np.random.default_rng(seed)
         self.layers = [rng.integers(0, 256, NUM_BLOCKS * BLOCK_BYTES, dtype=np.uint8) for _ in LAYERS]
-        self.worker = MooncakeWorker(cfg, engine_id="P" if producer else "D", is_producer=producer,
-                                     is_consumer=not producer, side_channel_port=free_port(), total_kv_heads=HEADS,
-                                     compatibility_base={"model": "m"}, kv_groups=GROUPS)
+        self.worker = MooncakeWorker(cfg, RankContext(engine_id="P" if producer else "D", is_producer=producer,
+                                                      is_consumer=not producer, side_channel_port=free_port(),
+                                                      total_kv_heads=HEADS, kv_byte_settings=KVByteSettings(model="m"),
+                                                      kv_groups=GROUPS))
         cache = LocalCache(LAYERS, [a.ctypes.data for a in self.layers], [BLOCK_BYTES] * 4, NUM_BLOCKS, HEADS)
         self.worker.register_cache(cache, SHAPE, "float32")
         self.before = [a.copy() for a in self.layers]
@@ -60,10 +63,9 @@ LOCAL = [[11, 12, 13, 14, 15, 16], [0, 0, 0, 0, 17, 18]]
 
 
 def _pull(port: int, remote: list[list[int]]) -> PullRequest:
-    source = RemoteSource(engine_id="P", host="127.0.0.1", port=port, request_id="r", block_ids=remote[0],
-                          block_ids_by_group=remote)
-    return PullRequest(request_id="d-r", source=source, local_block_ids=LOCAL, num_blocks=6, skip_blocks=0,
-                       group_blocks=[(0, 6), (4, 6)])
+    source = RemoteSource(engine_id="P", host="127.0.0.1", port=port, request_id="r", block_ids_by_group=remote)
+    return PullRequest(request_id="d-r", source=source, local_block_ids=LOCAL,
+                       blocks_by_group=[GroupBlocks(0, 6), GroupBlocks(4, 6)], check_null_blocks=True)
 
 
 def _run(decode: Instance, pull: PullRequest) -> set[int]:
@@ -78,7 +80,7 @@ def test_each_layer_is_read_through_its_own_groups_blocks(pair):
     prefill, decode = pair
     held = sorted({b for g in REMOTE for b in g if b})
     prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=len(held), block_ids=held)]))
-    assert _run(decode, _pull(prefill.worker.side_channel_port, REMOTE)) == set()
+    assert _run(decode, _pull(prefill.worker.context.side_channel_port, REMOTE)) == set()
     moved: set[tuple[int, int]] = set()
     for layer, name in enumerate(LAYERS):
         group = 0 if name in GROUPS[0].layer_names else 1
@@ -100,7 +102,7 @@ def test_a_failed_read_names_the_unread_blocks_of_every_group(pair):
     # The prefill holds only the full group's blocks: the lease names a sliding-window block it does
     # not hold, so the read is refused and nothing of either group counts as loaded.
     prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=6, block_ids=REMOTE[0])]))
-    errors = _run(decode, _pull(prefill.worker.side_channel_port, REMOTE))
+    errors = _run(decode, _pull(prefill.worker.context.side_channel_port, REMOTE))
     assert errors == {11, 12, 13, 14, 15, 16, 17, 18}
 
 
@@ -109,7 +111,7 @@ def test_a_null_block_in_the_window_is_a_load_error_not_a_read(pair):
     remote = [REMOTE[0], [0, 0, 0, 7, 0, 9]]  # position 4 of the window: the prefill's null block
     held = sorted({b for g in remote for b in g if b})
     prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=len(held), block_ids=held)]))
-    errors = _run(decode, _pull(prefill.worker.side_channel_port, remote))
+    errors = _run(decode, _pull(prefill.worker.context.side_channel_port, remote))
     assert errors == {11, 12, 13, 14, 15, 16, 17, 18}
     for layer in range(len(LAYERS)):
         assert decode.block(layer, 0) == decode.block(layer, 0, before=True)  # the null block stays untouched
@@ -135,7 +137,7 @@ def test_a_failed_hybrid_pull_is_reported_per_request_never_as_block_ids(pair):
     prefill, decode = pair
     connector, multi = _connector(decode.worker)
     prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=6, block_ids=REMOTE[0])]))
-    decode.worker.start_step(MooncakeStep(pulls=[_pull(prefill.worker.side_channel_port, REMOTE)]))
+    decode.worker.start_step(MooncakeStep(pulls=[_pull(prefill.worker.context.side_channel_port, REMOTE)]))
     deadline = time.monotonic() + 20
     while not (results := multi.get_transfer_results(set())).finished_recving and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -145,8 +147,8 @@ def test_a_failed_hybrid_pull_is_reported_per_request_never_as_block_ids(pair):
 
 
 def test_a_hybrid_failure_waits_for_its_finish_and_one_group_keeps_block_ids():
-    hybrid = MooncakeWorker(MooncakeConfig(), engine_id="D", is_producer=False, is_consumer=True,
-                            side_channel_port=0, kv_groups=GROUPS)
+    hybrid = MooncakeWorker(MooncakeConfig(), RankContext(engine_id="D", is_producer=False, is_consumer=True,
+                                                          side_channel_port=0, kv_groups=GROUPS))
     # The pull thread records the failure just before it marks the request finished.
     hybrid.ledger.record_failed_load("a", [[11], [17]])
     hybrid.ledger.record_failed_load("b", [[12], [18]])
@@ -154,8 +156,8 @@ def test_a_hybrid_failure_waits_for_its_finish_and_one_group_keeps_block_ids():
     assert hybrid.take_failed_pulls({"a"}, {"b"}) == {"a"}  # b: vLLM finished it before its pull reported
     assert hybrid.take_failed_pulls({"b"}, set()) == set()
     assert hybrid.take_block_ids_with_load_errors() == set()
-    one = MooncakeWorker(MooncakeConfig(), engine_id="D", is_producer=False, is_consumer=True, side_channel_port=0,
-                         kv_groups=GROUPS[:1])
+    one = MooncakeWorker(MooncakeConfig(), RankContext(engine_id="D", is_producer=False, is_consumer=True,
+                                                       side_channel_port=0, kv_groups=GROUPS[:1]))
     one.ledger.record_failed_load("a", [[11, 12]])
     assert one.take_failed_pulls({"a"}, set()) == set()  # only the unread blocks are recomputed
     assert one.take_block_ids_with_load_errors() == {11, 12}

@@ -18,14 +18,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import FakeTransferEngine  # noqa: E402
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
 from kv_mooncake.errors import PullFailed
+from kv_mooncake.group_blocks import GroupBlocks
 from kv_mooncake.params import RemoteSource
 from kv_mooncake.pull.plan import plan_pulls, request_seed
 from kv_mooncake.rank_layout import DecodeLayout, DecodeRank, PrefillLayout
 from kv_mooncake.step import PullRequest
 from kv_mooncake.wire import messages as P
-from kv_mooncake.worker import MooncakeWorker
+from kv_mooncake.worker import MooncakeWorker, RankContext
 
 HEADS, HEAD, LAYERS = 4, 8, 2
 
@@ -64,13 +66,13 @@ def _canonical_cpu(t):
     return t.permute(0, 2, 1, 3)[None]
 
 
-def _worker(engine_id, heads_on_rank, total_heads, block_size, use_mla, tp=1, **base):
-    compat = {"model": "m", "heads_on_rank": heads_on_rank, "head_size": HEAD, "block_size": block_size,
-              "cache_dtype": "float32", **base}
-    return MooncakeWorker(MooncakeConfig(), engine_id=engine_id, is_producer=False, is_consumer=False,
-                          side_channel_port=1, total_kv_heads=total_heads, use_mla=use_mla,
+def _worker(engine_id, heads_on_rank, total_heads, block_size, use_mla, tp=1):
+    context = RankContext(engine_id=engine_id, is_producer=False, is_consumer=False, side_channel_port=1,
+                          total_kv_heads=total_heads, use_mla=use_mla,
                           prefill_layout=PrefillLayout(tp_size=tp, total_kv_heads=total_heads, use_mla=use_mla),
-                          compatibility_base=compat, engine_factory=FakeTransferEngine)
+                          kv_byte_settings=KVByteSettings(model="m", block_size=block_size, cache_dtype="float32"),
+                          kv_shape=(heads_on_rank, HEAD))
+    return MooncakeWorker(MooncakeConfig(), context, engine_factory=FakeTransferEngine)
 
 
 def _caches(layout, heads, blocks, block, seed):
@@ -137,8 +139,8 @@ def test_pulled_bytes_equal_the_prefill_kv(layout, logical, kernel, decode_tp):
     for d_rank in range(decode_tp):
         decode, d_vals, d_views, d_heads, hs = _decode(prefill, layout, logical, kernel, num_logical, heads,
                                                        d_rank, decode_tp)
-        source = RemoteSource(engine_id="P", host="127.0.0.1", port=1, request_id="r", block_ids=remote_ids)
-        req = PullRequest(request_id="r", source=source, local_block_ids=[local_ids], num_blocks=3, skip_blocks=0)
+        source = RemoteSource(engine_id="P", host="127.0.0.1", port=1, request_id="r", block_ids_by_group=[remote_ids])
+        req = PullRequest(request_id="r", source=source, local_block_ids=[local_ids], blocks_by_group=[GroupBlocks(0, 3)])
         layout_p = PrefillLayout(tp_size=1, total_kv_heads=heads, use_mla=use_mla)
         for pull in plan_pulls(layout_p, DecodeLayout(decode_tp), DecodeRank(d_rank), 3, 0, request_seed("r")):
             local, remote, lengths = decode.puller._addresses(req, pull, hs)
@@ -186,8 +188,8 @@ def test_prefill_parallel_sizes_must_match_kv_transfer_params():
     decode.register_kv_caches(_caches("cpu", HEADS, 4, 16, 2)[0])
     hs = prefill.handle(P.Handshake(engine_id="P", compatibility=decode.compatibility, reader_id="d"))
     assert isinstance(hs, P.HandshakeReply)
-    source = RemoteSource(engine_id="P", host="h", port=1, request_id="r", block_ids=[0], tp_size=1)  # stale
-    req = PullRequest(request_id="r", source=source, local_block_ids=[[0]], num_blocks=1, skip_blocks=0)
+    source = RemoteSource(engine_id="P", host="h", port=1, request_id="r", block_ids_by_group=[[0]], tp_size=1)  # stale
+    req = PullRequest(request_id="r", source=source, local_block_ids=[[0]], blocks_by_group=[GroupBlocks(0, 1)])
     pull = plan_pulls(PrefillLayout(1, HEADS), DecodeLayout(1), DecodeRank(0), 1)[0]
     with pytest.raises(PullFailed, match=r"TP/PCP/DCP/PP \(1, 1, 1, 1\), it runs \(2, 1, 1, 1\)"):
         decode.puller._addresses(req, pull, hs)
@@ -212,9 +214,9 @@ def test_numpy_ranges_equal_the_per_block_loop(layout, logical, kernel, decode_t
     local_ids = list(range(30, 42)) + rng.sample(range(num_logical), 20)
     for d_rank in range(decode_tp):
         decode, _, _, _, hs = _decode(prefill, layout, logical, kernel, num_logical, heads, d_rank, decode_tp)
-        source = RemoteSource(engine_id="P", host="127.0.0.1", port=1, request_id="r", block_ids=remote_ids)
+        source = RemoteSource(engine_id="P", host="127.0.0.1", port=1, request_id="r", block_ids_by_group=[remote_ids])
         n = len(local_ids)
-        req = PullRequest(request_id="r", source=source, local_block_ids=[local_ids], num_blocks=n, skip_blocks=0)
+        req = PullRequest(request_id="r", source=source, local_block_ids=[local_ids], blocks_by_group=[GroupBlocks(0, n)])
         layout_p = PrefillLayout(tp_size=1, total_kv_heads=heads, use_mla=use_mla)
         cache, runs = decode.puller.cache, decode.puller._paired_runs
         for pull in plan_pulls(layout_p, DecodeLayout(decode_tp), DecodeRank(d_rank), n, 0, request_seed("r")):
@@ -225,8 +227,8 @@ def test_numpy_ranges_equal_the_per_block_loop(layout, logical, kernel, decode_t
             if layout == "cpu" and decode_tp == 1:  # consecutive blocks are contiguous on both sides there
                 assert len(loop[0]) < len(pull.blocks) * LAYERS * ratio, "nothing merged: the test tests less"
         bad = PullRequest(request_id="r", source=RemoteSource(engine_id="P", host="127.0.0.1", port=1, request_id="r",
-                                                              block_ids=[*remote_ids[:-1], num_logical]),
-                          local_block_ids=[local_ids], num_blocks=n, skip_blocks=0)
+                                                              block_ids_by_group=[[*remote_ids[:-1], num_logical]]),
+                          local_block_ids=[local_ids], blocks_by_group=[GroupBlocks(0, n)])
         pull = plan_pulls(layout_p, DecodeLayout(decode_tp), DecodeRank(d_rank), n, 0, request_seed("r"))[0]
         for use_arrays in (False, True):
             with pytest.raises(PullFailed):

@@ -13,12 +13,14 @@ import pytest
 np = pytest.importorskip("numpy")
 pytest.importorskip("mooncake.engine")
 
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_common.testing.ports import free_port  # noqa: E402
 from kv_mooncake.config import MooncakeConfig, parse_config  # noqa: E402
+from kv_mooncake.group_blocks import GroupBlocks
 from kv_mooncake.params import RemoteSource
 from kv_mooncake.rank_layout import PrefillLayout, PrefillRank
 from kv_mooncake.step import HoldRequest, MooncakeStep, PullRequest
-from kv_mooncake.worker import LocalCache, MooncakeWorker
+from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 NUM_BLOCKS, BLOCK_BYTES, HEADS, NUM_LAYERS = 16, 2048, 4, 3
@@ -37,13 +39,13 @@ class Worker:
         self.layers = {i: rng.integers(0, 256, NUM_BLOCKS * BLOCK_BYTES, dtype=np.uint8) for i in layers}
         producer = stage is not None
         pp = len(partition) if partition else 1
-        self.worker = MooncakeWorker(
-            cfg, engine_id="P" if producer else "D", is_producer=producer, is_consumer=not producer,
+        self.worker = MooncakeWorker(cfg, RankContext(
+            engine_id="P" if producer else "D", is_producer=producer, is_consumer=not producer,
             side_channel_port=port, total_kv_heads=HEADS,
             prefill_rank=PrefillRank(0, 0, stage or 0),
             prefill_layout=PrefillLayout(tp_size=1, total_kv_heads=HEADS, pp_size=pp),
-            compatibility_base={"model": "m", "pipeline_parallel_size": pp},
-            layer_partition=partition if producer else None, num_hidden_layers=NUM_LAYERS)
+            kv_byte_settings=KVByteSettings(model="m", pipeline_parallel_size=pp),
+            layer_partition=partition if producer else None, num_hidden_layers=NUM_LAYERS))
         cache = LocalCache([_name(i) for i in layers], [a.ctypes.data for a in self.layers.values()],
                            [BLOCK_BYTES] * len(layers), NUM_BLOCKS, HEADS)
         self.worker.register_cache(cache, {"block_size": 16, "head_size": 8, "num_layers": len(layers)}, "float32")
@@ -65,10 +67,10 @@ def _prefill(cfg: MooncakeConfig, partition: tuple[int, ...], port: int) -> list
 
 
 def _pull(request_id: str, port: int, remote: list[int], local: list[int], pp: int) -> PullRequest:
-    source = RemoteSource(engine_id="P", host="127.0.0.1", port=port, request_id=request_id, block_ids=remote,
-                          pp_size=pp)
-    return PullRequest(request_id=request_id, source=source, local_block_ids=[local], num_blocks=len(local),
-                       skip_blocks=0)
+    source = RemoteSource(engine_id="P", host="127.0.0.1", port=port, request_id=request_id,
+                          block_ids_by_group=[remote], pp_size=pp)
+    return PullRequest(request_id=request_id, source=source, local_block_ids=[local],
+                       blocks_by_group=[GroupBlocks(0, len(local))])
 
 
 def _wait(check, timeout_s: float = 30.0) -> None:

@@ -195,13 +195,16 @@ def test_the_prefill_refuses_a_reader_of_another_prompt():
     its own prompt's digest passes the decode's check. The prefill compares the reader's digest with
     the one it computed: the pull is refused (fails alone, the decode recomputes)."""
     from conftest import FakeTransferEngine
+    from kv_common.kv_byte_settings import KVByteSettings
     from kv_mooncake.identity import prompt_digest
     from kv_mooncake.step import HoldRequest
     from kv_mooncake.wire import messages as P
-    from kv_mooncake.worker import LocalCache, MooncakeWorker
+    from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext
 
-    w = MooncakeWorker(MooncakeConfig(), engine_id="P", is_producer=True, is_consumer=False, side_channel_port=1,
-                       total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    w = MooncakeWorker(MooncakeConfig(), RankContext(engine_id="P", is_producer=True, is_consumer=False,
+                                                     side_channel_port=1, total_kv_heads=4,
+                                                     kv_byte_settings=KVByteSettings(model="m")),
+                       engine_factory=FakeTransferEngine)
     w.register_cache(LocalCache(["l0"], [4096], [1024], 4, 4), {"block_size": 16, "head_size": 8, "num_layers": 1},
                      "float32")
     held, other = prompt_digest(PROMPT_A), prompt_digest(PROMPT_B)

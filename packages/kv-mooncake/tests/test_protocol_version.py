@@ -10,18 +10,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
 from kv_mooncake.wire import messages as P
-from kv_mooncake.worker import MooncakeWorker
+from kv_mooncake.worker import MooncakeWorker, RankContext
 
 HEADS, HEAD = 4, 8
 
 
 def _worker(engine_id: str) -> MooncakeWorker:
     engine = SimpleNamespace(rpc_address="127.0.0.1:1", register=lambda regions: None, close=lambda: None)
-    w = MooncakeWorker(MooncakeConfig(), engine_id=engine_id, is_producer=False, is_consumer=False,
-                       side_channel_port=1, total_kv_heads=HEADS, engine_factory=lambda: engine,
-                       compatibility_base={"model": "m", "heads_on_rank": HEADS, "head_size": HEAD, "block_size": 16})
+    w = MooncakeWorker(MooncakeConfig(), RankContext(engine_id=engine_id, is_producer=False, is_consumer=False,
+                                                     side_channel_port=1, total_kv_heads=HEADS,
+                                                     kv_byte_settings=KVByteSettings(model="m", block_size=16),
+                                                     kv_shape=(HEADS, HEAD)), engine_factory=lambda: engine)
     w.register_kv_caches({f"l{i}": torch.zeros(4, HEADS, 16, 2 * HEAD, dtype=torch.uint8) for i in range(2)})
     return w
 

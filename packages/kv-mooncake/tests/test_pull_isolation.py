@@ -16,12 +16,14 @@ import pytest
 np = pytest.importorskip("numpy")
 pytest.importorskip("mooncake.engine")
 
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_common.testing.ports import free_port  # noqa: E402
 from kv_mooncake.config import MooncakeConfig  # noqa: E402
 from kv_mooncake.errors import SideChannelError
+from kv_mooncake.group_blocks import GroupBlocks
 from kv_mooncake.params import RemoteSource
 from kv_mooncake.step import HoldRequest, MooncakeStep, PullRequest
-from kv_mooncake.worker import LocalCache, MooncakeWorker
+from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext
 from wrapped_engine import WrappedEngine  # noqa: E402
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -37,9 +39,9 @@ class Instance:
                  engine: Any = None, num_blocks: int = NUM_BLOCKS):
         rng = np.random.default_rng(seed)
         self.layers = [rng.integers(0, 256, num_blocks * BLOCK_BYTES, dtype=np.uint8) for _ in range(2)]
-        self.worker = MooncakeWorker(cfg, engine_id="P" if producer else "D", is_producer=producer,
-                                     is_consumer=not producer, side_channel_port=port or free_port(),
-                                     total_kv_heads=HEADS, compatibility_base={"model": "m"},
+        self.worker = MooncakeWorker(cfg, RankContext(engine_id="P" if producer else "D", is_producer=producer,
+                                                      is_consumer=not producer, side_channel_port=port or free_port(),
+                                                      total_kv_heads=HEADS, kv_byte_settings=KVByteSettings(model="m")),
                                      engine_factory=None if engine is None else lambda: engine)
         cache = LocalCache(["l0", "l1"], [a.ctypes.data for a in self.layers], [BLOCK_BYTES] * 2, num_blocks, HEADS)
         self.worker.register_cache(cache, SHAPE, "float32")
@@ -49,9 +51,10 @@ class Instance:
 
 
 def _pull(request_id: str, port: int, remote: list[int], local: list[int]) -> PullRequest:
-    source = RemoteSource(engine_id="P", host="127.0.0.1", port=port, request_id=request_id, block_ids=remote)
-    return PullRequest(request_id=request_id, source=source, local_block_ids=[local], num_blocks=len(local),
-                       skip_blocks=0)
+    source = RemoteSource(engine_id="P", host="127.0.0.1", port=port, request_id=request_id,
+                          block_ids_by_group=[remote])
+    return PullRequest(request_id=request_id, source=source, local_block_ids=[local],
+                       blocks_by_group=[GroupBlocks(0, len(local))])
 
 
 @pytest.fixture
@@ -75,8 +78,8 @@ def test_a_frozen_prefill_does_not_starve_pulls_from_a_healthy_one(frozen_peer):
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id=f"h{i}", num_blocks=2,
                                                                   block_ids=[2 * i, 2 * i + 1]) for i in range(2)]))
         dead = [_pull(f"dead{i}", frozen_peer, [0], [15]) for i in range(6)]
-        healthy = [_pull(f"h{i}", prefill.worker.side_channel_port, [2 * i, 2 * i + 1], [2 * i + 4, 2 * i + 5])
-                   for i in range(2)]
+        port = prefill.worker.context.side_channel_port
+        healthy = [_pull(f"h{i}", port, [2 * i, 2 * i + 1], [2 * i + 4, 2 * i + 5]) for i in range(2)]
         t0 = time.monotonic()
         decode.worker.start_step(MooncakeStep(pulls=dead + healthy))
         done_at: dict[str, float] = {}
@@ -113,7 +116,8 @@ def test_a_pull_failing_midway_reports_only_the_blocks_it_did_not_read():
     local = [NUM_BLOCKS - 1 - i for i in range(40)]
     try:
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=40, block_ids=remote)]))
-        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, remote, local)]))
+        port = prefill.worker.context.side_channel_port
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", port, remote, local)]))
         deadline = time.monotonic() + 20
         while "r" not in (decode.worker.get_finished()[1] or ()) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -143,7 +147,7 @@ def test_verify_kv_turns_kv_changed_after_the_finish_into_a_load_error():
     cfg = MooncakeConfig(pull_timeout_s=10.0, verify_kv=True)
     prefill = Instance(cfg, producer=True, seed=5)
     decode = Instance(cfg, producer=False, seed=6)
-    port = prefill.worker.side_channel_port
+    port = prefill.worker.context.side_channel_port
     try:
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="ok", num_blocks=4, block_ids=[1, 2, 3, 4]),
                                                       HoldRequest(request_id="bad", num_blocks=2, block_ids=[7, 9])]))
@@ -166,7 +170,7 @@ def test_verify_kv_on_the_decode_only_fails_closed():
     decode = Instance(MooncakeConfig(pull_timeout_s=10.0, verify_kv=True), producer=False, seed=8)
     try:
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[3])]))
-        assert _pull_and_wait(decode, _pull("r", prefill.worker.side_channel_port, [3], [4])) == {4}
+        assert _pull_and_wait(decode, _pull("r", prefill.worker.context.side_channel_port, [3], [4])) == {4}
     finally:
         decode.worker.close()
         prefill.worker.close()
@@ -178,7 +182,7 @@ def test_a_pull_says_where_its_time_went_and_a_failed_one_says_nothing():
     cfg = MooncakeConfig(pull_timeout_s=10.0)
     prefill = Instance(cfg, producer=True, seed=9)
     decode = Instance(cfg, producer=False, seed=10)
-    port = prefill.worker.side_channel_port
+    port = prefill.worker.context.side_channel_port
     try:
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="ok", num_blocks=3, block_ids=[1, 2, 3])]))
         assert _pull_and_wait(decode, _pull("ok", port, [1, 2, 3], [10, 11, 12])) == set()
@@ -226,7 +230,7 @@ def test_a_worker_that_pulled_releases_its_transfer_engine_at_once():
     decode = Instance(MooncakeConfig(pull_timeout_s=10.0), producer=False, seed=34)
     try:
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[5])]))
-        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, [5], [7])]))
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.context.side_channel_port, [5], [7])]))
         assert _wait_pulled(decode, "r")[0] == set()
         _closing_releases_the_engine(decode)
     finally:
@@ -258,7 +262,8 @@ def test_a_read_whose_hold_lapsed_under_it_is_a_load_error():
                       producer=False, seed=10)
     try:
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=2, block_ids=[5, 6])]))
-        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, [5, 6], [7, 8])]))
+        port = prefill.worker.context.side_channel_port
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", port, [5, 6], [7, 8])]))
         errors, freed = _wait_pulled(decode, "r", prefill)
         assert freed == {"r"}, "the prefill did not free under the read (the test did not test anything)"
         assert errors == {7, 8}, "blocks read after the prefill freed them were counted as loaded"
@@ -339,7 +344,7 @@ def test_a_read_begun_before_the_hold_is_read_again_under_the_lease():
         final = [prefill.block(layer, 5) for layer in range(2)]
         for layer in prefill.layers:
             layer[5 * BLOCK_BYTES:6 * BLOCK_BYTES] = 0  # not the request's KV yet
-        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, [5], [7])]))
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.context.side_channel_port, [5], [7])]))
         early = time.monotonic() + 10
         while decode.block(0, 7) != bytes(BLOCK_BYTES) or decode.block(1, 7) != bytes(BLOCK_BYTES):
             assert time.monotonic() < early, "the decode did not read before the hold (nothing tested)"
@@ -382,7 +387,7 @@ def test_a_read_begun_under_the_hold_is_not_read_again_when_its_status_call_is_s
     try:
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[5])]))
         time.sleep(0.2)
-        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, [5], [7])]))
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.context.side_channel_port, [5], [7])]))
         errors, _ = _wait_pulled(decode, "r")
         assert errors == set()
         for layer in range(2):
@@ -401,7 +406,7 @@ def test_a_refused_lease_voids_what_was_read_alongside_it():
     decode = Instance(MooncakeConfig(pull_timeout_s=10.0), producer=False, seed=18)
     try:
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[5])]))
-        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.side_channel_port, [6], [7])]))
+        decode.worker.start_step(MooncakeStep(pulls=[_pull("r", prefill.worker.context.side_channel_port, [6], [7])]))
         errors, _ = _wait_pulled(decode, "r")
         assert errors == {7}
     finally:
@@ -417,7 +422,7 @@ def test_a_refused_handshake_does_not_hold_up_a_pull_beside_it():
     cfg = MooncakeConfig(pull_timeout_s=30.0)
     prefill = Instance(cfg, producer=True, seed=19)
     decode = Instance(cfg, producer=False, seed=20)
-    port = prefill.worker.side_channel_port
+    port = prefill.worker.context.side_channel_port
     try:
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="wrong", num_blocks=2, block_ids=[1, 2]),
                                                       HoldRequest(request_id="right", num_blocks=2, block_ids=[3, 4])]))
@@ -461,7 +466,7 @@ def test_a_prefill_slower_than_one_try_is_still_heard():
         return answer(message)
 
     prefill.worker.holder.handle = starved
-    port = prefill.worker.side_channel_port
+    port = prefill.worker.context.side_channel_port
     try:
         prefill.worker.start_step(MooncakeStep(holds=[HoldRequest(request_id="wrong", num_blocks=1, block_ids=[1]),
                                                       HoldRequest(request_id="right", num_blocks=1, block_ids=[3])]))

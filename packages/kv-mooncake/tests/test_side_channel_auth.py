@@ -14,6 +14,7 @@ import time
 import msgspec
 import pytest
 from conftest import FakeTransferEngine
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_common.testing.ports import free_port
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.errors import SideChannelError
@@ -21,7 +22,7 @@ from kv_mooncake.step import HoldRequest, MooncakeStep
 from kv_mooncake.wire import client as side_channel
 from kv_mooncake.wire import messages as P
 from kv_mooncake.wire.messages import ErrorReply
-from kv_mooncake.worker import LocalCache, MooncakeWorker, query_leaks
+from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext, query_leaks
 from raw_side_channel import RawConnection, RawServer, raw_exchange
 
 SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
@@ -38,9 +39,9 @@ def _compat(**changes) -> P.Compatibility:
 
 
 def _prefill(cfg: MooncakeConfig | None = None) -> MooncakeWorker:
-    w = MooncakeWorker(cfg or MooncakeConfig(hold_timeout_s=30.0), engine_id="P-secret-engine", is_producer=True,
-                       is_consumer=False, side_channel_port=free_port(), total_kv_heads=4,
-                       compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    context = RankContext(engine_id="P-secret-engine", is_producer=True, is_consumer=False,
+                          side_channel_port=free_port(), total_kv_heads=4, kv_byte_settings=KVByteSettings(model="m"))
+    w = MooncakeWorker(cfg or MooncakeConfig(hold_timeout_s=30.0), context, engine_factory=FakeTransferEngine)
     w.register_cache(LocalCache(["l0", "l1"], BASES, [1024, 1024], 4, 4), SHAPE, "float32")
     return w
 
@@ -291,7 +292,7 @@ def test_the_proxy_frees_a_hold_only_with_the_secret(prefill, monkeypatch):
     from kv_mooncake.proxy.release import release_prefill_blocks
 
     params = {"do_remote_prefill": True, "remote_engine_id": "P-secret-engine", "remote_host": "127.0.0.1",
-              "remote_port": prefill.side_channel_port, "remote_block_ids": [0, 1], "remote_request_id": "r",
+              "remote_port": prefill.context.side_channel_port, "remote_block_ids": [0, 1], "remote_request_id": "r",
               "remote_tp_size": 1}
     monkeypatch.delenv("KV_SECRET")
     assert release_prefill_blocks(params, timeout_s=2.0) == 0
@@ -313,7 +314,8 @@ def _instances(prefill_cfg: MooncakeConfig, decode_cfg: MooncakeConfig):
 def _pull_and_wait(decode, prefill, request_id: str, remote: list[int], local: list[int]) -> set[int]:
     from test_pull_isolation import _pull
 
-    decode.worker.start_step(MooncakeStep(pulls=[_pull(request_id, prefill.worker.side_channel_port, remote, local)]))
+    port = prefill.worker.context.side_channel_port
+    decode.worker.start_step(MooncakeStep(pulls=[_pull(request_id, port, remote, local)]))
     deadline = time.monotonic() + 20
     while request_id not in (decode.worker.get_finished()[1] or ()) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -93,7 +93,8 @@ def test_not_a_mapping_is_no_params():
 
 def test_source_needs_the_whole_prefill():
     assert parse_transfer_params(WIRE).source() == RemoteSource(engine_id="P", host="10.0.0.1", port=17000,
-                                                                request_id="p-r", block_ids=[3, 4], tp_size=2)
+                                                                request_id="p-r", block_ids_by_group=[[3, 4]],
+                                                                tp_size=2)
     for key in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id"):
         assert parse_transfer_params({k: v for k, v in WIRE.items() if k != key}).source() is None, key
 
@@ -125,10 +126,25 @@ def test_the_prefill_answer_is_what_the_decode_parses():
     blocks = SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],))
     decode.update_state_after_alloc(request, blocks, 40)
     pull = decode.build_step().pulls[0]
-    assert pull.source == parse_transfer_params(out).source() and pull.num_blocks == 3
+    assert pull.source == parse_transfer_params(out).source() and pull.blocks_by_group == [(0, 3)]
+    assert not pull.check_null_blocks  # one full-attention group: vLLM's null block is never in its list
     assert request.kv_transfer_params["do_remote_prefill"] is False  # decided: never pulled twice
     assert decode.request_finished(request, [[7, 8, 9]]) == (False, None)
     assert decode._incoming == {} and decode._waiting == {}
+
+
+def test_a_local_prefix_hit_is_not_pulled():
+    """One KV-cache group: the pull's one range starts after the blocks computed locally."""
+    decode = MooncakeScheduler(MooncakeConfig(), engine_id="D", block_size=16, is_producer=False, is_consumer=True,
+                               side_channel_port=1)
+    prefill = MooncakeScheduler(MooncakeConfig(side_channel_host="10.0.0.1"), engine_id="P", block_size=16,
+                                is_producer=True, is_consumer=False, side_channel_port=17000)
+    _, out = prefill.request_finished(_request("p-r", {"do_remote_decode": True}), [[3, 4, 5]])
+    request = _request("d-r", dict(out))
+    assert decode.get_num_new_matched_tokens(request, 16) == (24, True)
+    decode.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],)), 24)
+    pull = decode.build_step().pulls[0]
+    assert pull.blocks_by_group == [(1, 3)] and pull.source.block_ids_by_group == [[3, 4, 5]]
 
 
 def test_the_decode_parses_once_per_request(monkeypatch):

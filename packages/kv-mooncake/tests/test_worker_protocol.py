@@ -7,6 +7,7 @@ import time
 import msgspec
 import pytest
 from conftest import FakeTransferEngine
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_common.testing.ports import free_port
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.errors import SideChannelTimeout
@@ -14,7 +15,7 @@ from kv_mooncake.pull import messenger as messenger_module
 from kv_mooncake.step import HoldRequest, MooncakeStep
 from kv_mooncake.wire import client as side_channel
 from kv_mooncake.wire import messages as P
-from kv_mooncake.worker import LocalCache, MooncakeWorker, query_leaks
+from kv_mooncake.worker import LocalCache, MooncakeWorker, RankContext, query_leaks
 from raw_side_channel import RawConnection
 
 SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
@@ -22,8 +23,10 @@ SHAPE = {"block_size": 16, "head_size": 8, "num_layers": 2}
 
 def _prefill_worker(cfg: MooncakeConfig) -> MooncakeWorker:
     """A prefill rank over raw regions (two layers, four blocks), its side channel on a free port."""
-    w = MooncakeWorker(cfg, engine_id="P", is_producer=True, is_consumer=False, side_channel_port=free_port(),
-                       total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    w = MooncakeWorker(cfg, RankContext(engine_id="P", is_producer=True, is_consumer=False,
+                                        side_channel_port=free_port(), total_kv_heads=4,
+                                        kv_byte_settings=KVByteSettings(model="m")),
+                       engine_factory=FakeTransferEngine)
     w.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
     return w
 
@@ -175,8 +178,9 @@ def test_client_may_shorten_but_not_extend_the_hold():
 
 def test_done_is_retried_until_a_slow_prefill_answers(prefill, monkeypatch):
     """A DONE whose first answer comes late is sent again, not dropped (the blocks would stay held)."""
-    decode = MooncakeWorker(MooncakeConfig(lease_s=3.0), engine_id="D", is_producer=False, is_consumer=True,
-                            side_channel_port=free_port(), engine_factory=FakeTransferEngine)
+    decode = MooncakeWorker(MooncakeConfig(lease_s=3.0), RankContext(engine_id="D", is_producer=False,
+                                                                     is_consumer=True, side_channel_port=free_port()),
+                            engine_factory=FakeTransferEngine)
     prefill.start_step(MooncakeStep(holds=[HoldRequest(request_id="r", num_blocks=1, block_ids=[0])]))
     real = decode.puller.messenger._client.request
     calls = []
@@ -206,11 +210,11 @@ def test_decode_request_aborted_before_scheduling_still_frees_the_prefill(prefil
     cfg = MooncakeConfig()
     sched = MooncakeScheduler(cfg, engine_id="D", block_size=16, is_producer=False, is_consumer=True,
                               side_channel_port=free_port())
-    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=True,
-                            side_channel_port=free_port(), engine_factory=FakeTransferEngine)
+    decode = MooncakeWorker(cfg, RankContext(engine_id="D", is_producer=False, is_consumer=True,
+                                             side_channel_port=free_port()), engine_factory=FakeTransferEngine)
     decode.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1",
-              "remote_port": prefill.side_channel_port, "remote_block_ids": [0], "remote_request_id": "r",
+              "remote_port": prefill.context.side_channel_port, "remote_block_ids": [0], "remote_request_id": "r",
               "prompt_digest": prompt_digest(range(20))}
     req = SimpleNamespace(request_id="d-r", kv_transfer_params=params, prompt_token_ids=list(range(20)),
                           status=SimpleNamespace(name="FINISHED_ABORTED"))
@@ -283,8 +287,9 @@ def test_the_decodes_handshake_cache_is_bounded(monkeypatch):
     prefills = []
     for _ in range(3):
         prefills.append(_prefill_worker(cfg))
-    decode = MooncakeWorker(cfg, engine_id="D", is_producer=False, is_consumer=False, side_channel_port=1,
-                            total_kv_heads=4, compatibility_base={"model": "m"}, engine_factory=FakeTransferEngine)
+    decode = MooncakeWorker(cfg, RankContext(engine_id="D", is_producer=False, is_consumer=False, side_channel_port=1,
+                                             total_kv_heads=4, kv_byte_settings=KVByteSettings(model="m")),
+                            engine_factory=FakeTransferEngine)
     decode.register_cache(LocalCache(["l0", "l1"], [4096, 8192], [1024, 1024], 4, 4), SHAPE, "float32")
     messenger = decode.puller.messenger
     try:

@@ -11,7 +11,8 @@ between) lasts ``cooldown.nth(n)``; ``None``: open until a success is recorded (
 probes, a health check). Once the cool-down is over, ``half_open="one"`` lets one probe through
 (the others are refused until it ends), ``"all"`` lets every call through (the first failure opens
 it again). A failure recorded while open and cooling down (a call started before it opened) only
-counts. ``threshold < 1``: never opens.
+counts with ``failure_while_open="count"``; ``"reopen"`` opens it again at once, for the next
+cool-down (a peer still failing is presumed down for longer). ``threshold < 1``: never opens.
 
 :class:`Breaker` is one such thing, not thread-safe; :class:`KeyedBreaker` holds one per key (a
 peer's address) behind a lock. The clock is injectable (monotonic seconds).
@@ -28,13 +29,16 @@ from kv_common.retry import Backoff
 
 State = Literal["closed", "open", "half_open"]
 HalfOpen = Literal["one", "all"]
+FailureWhileOpen = Literal["count", "reopen"]
 K = TypeVar("K", bound=Hashable)
 
 
 class Breaker:
     def __init__(self, threshold: int = 1, cooldown: Backoff | None = Backoff(1.0), *,
-                 half_open: HalfOpen = "one", clock: Callable[[], float] = time.monotonic) -> None:
+                 half_open: HalfOpen = "one", failure_while_open: FailureWhileOpen = "count",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.threshold, self.cooldown, self.half_open = threshold, cooldown, half_open
+        self.failure_while_open = failure_while_open
         self._clock = clock
         self._state: State = "closed"
         self._failures = 0  # in a row
@@ -71,9 +75,10 @@ class Breaker:
         return True
 
     def failure(self) -> bool:
-        """Record a failed call; True when this one opened the breaker."""
+        """Record a failed call; True when this one opened the breaker (or, ``failure_while_open=
+        "reopen"``, opened it again while cooling down)."""
         self._failures += 1
-        if self.threshold < 1 or self.cooling_down:
+        if self.threshold < 1 or (self.cooling_down and self.failure_while_open == "count"):
             return False
         if self._state == "closed" and self._failures < self.threshold:
             return False

@@ -7,18 +7,19 @@ from typing import Any
 
 from kv_common import vllm_compat
 from kv_common.idle_step import idle_step
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_common.logging_utils import get_logger
 from kv_common.stats import PromCounter, PromHistogram, counter, failures_total, make_vllm_stats_class
 from kv_common.stats import build_prom_metrics as _build_prom_metrics
 
 from kv_mooncake.config import load_config, side_channel_base_port, start_up_contradictions
+from kv_mooncake.group_blocks import plans_per_group
 from kv_mooncake.identity import config_fingerprint, unsupported_settings
-from kv_mooncake.params import plans_per_group
 from kv_mooncake.pipeline_stages import stage_partition
 from kv_mooncake.rank_layout import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
 from kv_mooncake.scheduler import MooncakeScheduler
 from kv_mooncake.step import MooncakeStep
-from kv_mooncake.worker import MooncakeWorker, check_kv_cache_groups
+from kv_mooncake.worker import MooncakeWorker, RankContext, check_kv_cache_groups
 
 logger = get_logger(__name__)
 
@@ -32,8 +33,7 @@ class MooncakeConnectorMetadata(_base.KVConnectorMetadata):  # type: ignore[name
         self.step = step
 
 
-def _parallel(vllm_config: Any) -> dict[str, int]:
-    settings = vllm_compat.kv_byte_settings(vllm_config)
+def _parallel(vllm_config: Any, settings: KVByteSettings) -> dict[str, int]:
     parallel = vllm_config.parallel_config
     return {
         "tp": settings.tp_size,
@@ -61,13 +61,6 @@ def _own_partition(vllm_config: Any, pp_size: int) -> tuple[int, ...] | None:
     return stage_partition(layers, pp_size, os.environ.get("VLLM_PP_LAYER_PARTITION") or None)
 
 
-def _kv_shape(vllm_config: Any, use_mla: bool) -> dict[str, int]:
-    """Heads on this rank and head size, to recognise the KV tensors' layout; {} when unknown (only
-    the CPU layout is then read, from its shape)."""
-    shape = vllm_compat.kv_heads_on_rank(vllm_config, use_mla)
-    return {} if shape is None else {"heads_on_rank": shape[0], "head_size": shape[1]}
-
-
 class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: ignore[name-defined]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -79,17 +72,17 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: igno
                              f"({', '.join(g.kind for g in groups)}): set verify_kv=false (its digests "
                              "cover one group's layers)")
         self.engine_id = str(ktc.engine_id)
-        par = _parallel(vllm_config)
         fingerprint = config_fingerprint(vllm_config)
+        par = _parallel(vllm_config, fingerprint)
         problems = unsupported_settings(fingerprint, is_consumer=bool(ktc.is_kv_consumer))
-        if plans_per_group(groups) and fingerprint["dcp_size"] > 1:
-            problems.append(f"decode_context_parallel_size={fingerprint['dcp_size']} with hybrid KV-cache groups "
+        if plans_per_group(groups) and fingerprint.dcp_size > 1:
+            problems.append(f"decode_context_parallel_size={fingerprint.dcp_size} with hybrid KV-cache groups "
                             f"({', '.join(g.kind for g in groups)}): supported with 1")
         if problems:
             raise ValueError("MooncakeConnectorV1 cannot read this KV layout right: " + "; ".join(problems))
         is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         # vllm-ascend's declared prefill/decode sizes must describe what really runs here.
-        pp_size = fingerprint["pipeline_parallel_size"]
+        pp_size = fingerprint.pipeline_parallel_size
         partition = _own_partition(vllm_config, pp_size)
         contradictions = start_up_contradictions(
             self.config, is_producer=is_producer, is_consumer=is_consumer, tp_size=par["tp"], pp_size=pp_size,
@@ -119,10 +112,10 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: igno
                     f"MooncakeConnectorV1: DCP rank {dcp_rank} on TP rank {tp_rank} (DCP {par['dcp']}); "
                     "the pull plan expects DCP groups of consecutive TP ranks (dcp_rank == tp_rank % dcp)"
                 )
-            use_mla = bool(fingerprint["use_mla"])
+            use_mla = fingerprint.use_mla
             total_heads = 1 if use_mla else int(model.get_total_num_kv_heads())
-            self._worker = MooncakeWorker(
-                self.config, engine_id=self.engine_id, is_producer=is_producer, is_consumer=is_consumer,
+            self._worker = MooncakeWorker(self.config, RankContext(
+                engine_id=self.engine_id, is_producer=is_producer, is_consumer=is_consumer,
                 side_channel_port=port,
                 prefill_rank=PrefillRank(tp_rank, pcp_rank, ranks["pp_rank"]),
                 decode_rank=DecodeRank(tp_rank),
@@ -131,8 +124,9 @@ class MooncakeConnectorV1(_base.KVConnectorBase_V1, _SupportsHMA):  # type: igno
                 layer_partition=partition, num_hidden_layers=_num_hidden_layers(vllm_config),
                 decode_layout=DecodeLayout(tp_size=par["tp"], dcp_size=par["dcp"]),
                 total_kv_heads=total_heads, use_mla=use_mla,
-                compatibility_base={**fingerprint, **_kv_shape(vllm_config, use_mla)}, kv_groups=groups,
-            )
+                kv_byte_settings=fingerprint, kv_shape=vllm_compat.kv_heads_on_rank(vllm_config, use_mla),
+                kv_groups=groups,
+            ))
 
     # ---- scheduler side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

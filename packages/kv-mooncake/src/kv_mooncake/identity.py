@@ -17,18 +17,19 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_common.kv_cache_groups import KVGroup
 from kv_common.vllm_compat import kv_byte_settings
 
-from kv_mooncake.params import plans_per_group
+from kv_mooncake.group_blocks import plans_per_group
 
 
-def config_fingerprint(vllm_config: Any) -> dict[str, Any]:
+def config_fingerprint(vllm_config: Any) -> KVByteSettings:
     """The settings that change KV bytes (``kv_common.kv_byte_settings``), by the names the
     handshake's ``Compatibility`` gives them, with the parallel sizes ``unsupported_settings`` reads.
     ``model_weights`` names the checkpoint the model path holds: a prefill and a decode serving the
     same path with different weights refuse each other's pulls."""
-    return msgspec.structs.asdict(kv_byte_settings(vllm_config))
+    return kv_byte_settings(vllm_config)
 
 
 def group_layouts(groups: Sequence[KVGroup]) -> tuple[str, ...]:
@@ -40,17 +41,17 @@ def group_layouts(groups: Sequence[KVGroup]) -> tuple[str, ...]:
     return tuple(json.dumps(group.describe(), sort_keys=True, separators=(",", ":")) for group in groups)
 
 
-def unsupported_settings(fp: dict[str, Any], *, is_consumer: bool) -> list[str]:
+def unsupported_settings(fp: KVByteSettings, *, is_consumer: bool) -> list[str]:
     """Why this instance's parallel layout cannot be served (empty: supported)."""
     problems = []
-    pp = fp["pipeline_parallel_size"]
+    pp = fp.pipeline_parallel_size
     if pp > 1 and is_consumer:
         # A prefill's stages each serve their own layers (pipeline_stages); a decode's stages would
         # each need their own part of every pull. vllm-ascend requires decode PP 1 as well.
         problems.append(f"pipeline_parallel_size={pp} on a kv_consumer: MooncakeConnectorV1 pulls into a "
                         "decode with pipeline_parallel_size=1 only (a pipeline-parallel prefill is supported: "
                         "run it with kv_role kv_producer)")
-    dcp, pcp, block, interleave = fp["dcp_size"], fp["pcp_size"], fp["block_size"], fp["cp_kv_cache_interleave_size"]
+    dcp, pcp, block, interleave = fp.dcp_size, fp.pcp_size, fp.block_size, fp.cp_kv_cache_interleave_size
     if dcp > 1 and interleave != block:
         # vLLM's default (1) spreads single tokens over the DCP ranks; the plan moves whole blocks.
         problems.append(f"cp_kv_cache_interleave_size={interleave} with decode_context_parallel_size={dcp}: "

@@ -30,9 +30,10 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, NamedTuple
 
 import msgspec
-from kv_common.kv_cache_groups import NULL_BLOCK_ID, KVGroup, first_needed_block
+from kv_common.kv_cache_groups import NULL_BLOCK_ID, KVGroup
 from kv_common.logging_utils import get_logger
 
+from kv_mooncake.group_blocks import group_blocks_to_pull, plans_per_group
 from kv_mooncake.wire.connection import rank_address
 
 logger = get_logger(__name__)
@@ -104,7 +105,8 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             raise ValueError(f"remote_block_ids has {total} block ids in all, at most {MAX_BLOCK_IDS}")
 
     def group_block_ids(self) -> list[list[int]]:
-        """The prefill's block ids per KV-cache group (one list when it sent one)."""
+        """The prefill's block ids per KV-cache group (one list when it sent one): where the wire's two
+        forms of ``remote_block_ids`` become the one the decode uses (``RemoteSource.block_ids_by_group``)."""
         if self.block_ids and isinstance(self.block_ids[0], list):
             return [list(ids) for ids in self.block_ids if isinstance(ids, list)]
         return [[b for b in self.block_ids if isinstance(b, int)]]
@@ -118,11 +120,9 @@ class TransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         """Where the decode pulls from; None when the params do not name a complete prefill."""
         if not (self.engine_id and self.host and self.port and self.request_id):
             return None
-        groups = self.group_block_ids()
         return RemoteSource(engine_id=self.engine_id, host=self.host, port=self.port, request_id=self.request_id,
-                            block_ids=groups[0], tp_size=self.tp_size, pcp_size=self.pcp_size,
-                            dcp_size=self.dcp_size, block_ids_by_group=groups if len(groups) > 1 else [],
-                            pp_size=self.pp_size)
+                            block_ids_by_group=self.group_block_ids(), tp_size=self.tp_size,
+                            pcp_size=self.pcp_size, dcp_size=self.dcp_size, pp_size=self.pp_size)
 
     def prefill_addresses(self) -> list[str] | None:
         """Side-channel address of every rank of the prefill instance; None when the params name no
@@ -235,50 +235,19 @@ def flag(raw: Any, name: str) -> bool:
     return isinstance(raw, Mapping) and bool(raw.get(name))
 
 
-# ---- which blocks of which KV-cache group ----
-
-class GroupBlocks(NamedTuple):
-    """The logical blocks ``[first, end)`` of one KV-cache group that a decode pulls."""
-
-    first: int
-    end: int
-
-
-def plans_per_group(groups: Sequence[KVGroup]) -> bool:
-    """Whether a request's blocks are planned group by group: several groups (vLLM's hybrid
-    manager), or one whose blocks are not all kept (a sliding window's). One full-attention group
-    (or none known) keeps the single-list plan, and its wire form."""
-    return len(groups) > 1 or any(group.kind != "full" for group in groups)
-
-
-def group_blocks_to_pull(groups: Sequence[KVGroup], *, num_tokens: int,
-                         num_computed_tokens: int) -> list[GroupBlocks]:
-    """Each KV-cache group's logical blocks a decode pulls for a request of ``num_tokens`` tokens of
-    which ``num_computed_tokens`` are a local prefix-cache hit: from the first block not computed
-    locally that the group still needs after ``num_tokens`` tokens (vLLM drops a sliding window's
-    earlier blocks, leaving its null block there) to the block holding the last token."""
-    out = []
-    for group in groups:
-        end = -(-num_tokens // group.block_size)
-        first = max(num_computed_tokens // group.block_size, first_needed_block(num_tokens, group))
-        out.append(GroupBlocks(min(first, end), end))
-    return out
-
 
 class RemoteSource(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a request's KV lives: copied from the prefill's ``kv_transfer_params``."""
+    """Where a request's KV lives: copied from the prefill's ``kv_transfer_params``. Scheduler ->
+    worker only (inside ``step.MooncakeStep``); peers see ``TransferParams``' wire form, never this."""
 
     engine_id: str
     host: str
     port: int  # side-channel base port of the prefill instance (its DP rank included)
     request_id: str
-    block_ids: list[int]  # the first (with one group: the only) KV-cache group's
+    # The prefill's block ids of each KV-cache group, as parsed (``TransferParams.group_block_ids``):
+    # one list with one group, one per group with vLLM's hybrid manager.
+    block_ids_by_group: list[list[int]]
     tp_size: int = 1
     pcp_size: int = 1
     dcp_size: int = 1
-    block_ids_by_group: list[list[int]] = []  # with several KV-cache groups (HMA): each group's
     pp_size: int = 1  # pipeline stages of the prefill (kv_mooncake.pipeline_stages)
-
-    def group_block_ids(self) -> list[list[int]]:
-        """The prefill's block ids of each KV-cache group."""
-        return self.block_ids_by_group or [self.block_ids]

@@ -17,14 +17,13 @@ from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
 
 from kv_mooncake.config import MooncakeConfig, peer_layout_contradiction
+from kv_mooncake.group_blocks import GroupBlocks, group_blocks_to_pull, plans_per_group
 from kv_mooncake.identity import request_digest, same_prompt
 from kv_mooncake.params import (
     MAX_PREFILL_RANKS,
     TransferParams,
     flag,
-    group_blocks_to_pull,
     parse_transfer_params,
-    plans_per_group,
     pull_problem,
     read_transfer_params,
 )
@@ -177,17 +176,17 @@ class MooncakeScheduler:
             self._step.frees.append(source)  # full local hit: nothing to pull, the prefill may free
             return
         num_tokens = local_computed + num_external_tokens
-        group_blocks = group_blocks_to_pull(self.groups, num_tokens=num_tokens, num_computed_tokens=local_computed) \
-            if plans_per_group(self.groups) else []
+        by_group = plans_per_group(self.groups)
+        to_pull = group_blocks_to_pull(self.groups, num_tokens=num_tokens, num_computed_tokens=local_computed) \
+            if by_group else [GroupBlocks(local_computed // self.block_size, -(-num_tokens // self.block_size))]
         self._step.pulls.append(
             PullRequest(
                 request_id=request.request_id,
                 source=source,
                 local_block_ids=[list(g) for g in blocks.get_block_ids()],
-                num_blocks=-(-num_tokens // self.block_size),
-                skip_blocks=local_computed // self.block_size,
+                blocks_by_group=to_pull,
                 prompt_digest=params.prompt_digest or "",  # equal to this request's: checked above
-                group_blocks=[(blocks.first, blocks.end) for blocks in group_blocks],
+                check_null_blocks=by_group,
             )
         )
 

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import msgspec
 
-from kv_mooncake.params import GroupBlocks, RemoteSource
+from kv_mooncake.group_blocks import GroupBlocks
+from kv_mooncake.params import RemoteSource
 
 
 class PullRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str  # the decode's own request id (reported in finished_recving)
     source: RemoteSource
     local_block_ids: list[list[int]]  # all blocks of the request, one list per KV-cache group
-    num_blocks: int  # logical blocks covering the prompt
-    skip_blocks: int  # already computed locally (prefix-cache hit): not pulled
+    # Each KV-cache group's logical blocks to pull, [first, end), one entry per group (one with one
+    # group): from the first block not computed locally (prefix-cache hit), or where a sliding
+    # window's group still needs them, to the block holding the prompt's last token.
+    blocks_by_group: list[GroupBlocks]
     prompt_digest: str = ""  # this request's prompt (identity), sent with PullStarted
-    # With several KV-cache groups: each group's logical blocks to pull, [first, end) (a sliding
-    # window's group starts where its window does). Empty: one group, [skip_blocks, num_blocks).
-    group_blocks: list[tuple[int, int]] = []
-
-    def blocks_by_group(self) -> list[GroupBlocks]:
-        if self.group_blocks:
-            return [GroupBlocks(first, end) for first, end in self.group_blocks]
-        return [GroupBlocks(max(0, self.skip_blocks), self.num_blocks)]
+    # The blocks are planned group by group (params.plans_per_group: vLLM's hybrid manager or a
+    # sliding window), where vLLM's null block stands for dropped ones: the worker checks that no
+    # block it pulls is that one, on either side (pull.byte_ranges.no_null_blocks).
+    check_null_blocks: bool = False
 
 
 class HoldRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,11 +16,13 @@ starts the puller's threads.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from kv_common.failure_ledger import FailureLedger
 from kv_common.idle_step import IdleStepWait
+from kv_common.kv_byte_settings import KVByteSettings
 from kv_common.kv_cache_groups import KVGroup
 from kv_common.logging_utils import get_logger
 from kv_common.stats import TransferStatsBase
@@ -39,62 +41,63 @@ from kv_mooncake.wire import messages as P
 from kv_mooncake.wire.seal import SideChannelAuth, auth_from_env
 from kv_mooncake.wire.server import SideChannelServer
 
-__all__ = ["PULL_BATCH_BLOCKS", "LocalCache", "MooncakeWorker", "PeerDown", "PullFailed", "check_kv_cache_groups",
-           "describe_kv_caches", "query_leaks"]
+__all__ = ["PULL_BATCH_BLOCKS", "LocalCache", "MooncakeWorker", "PeerDown", "PullFailed", "RankContext",
+           "check_kv_cache_groups", "describe_kv_caches", "query_leaks"]
 
 logger = get_logger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankContext:
+    """What describes this worker rank, read from vLLM's config once by the connector: who it is
+    (engine, role, ranks and layouts), what its KV bytes are and how they are grouped and staged."""
+
+    engine_id: str
+    is_producer: bool
+    is_consumer: bool
+    side_channel_port: int  # this instance's base port (DP rank included); each rank adds its index
+    prefill_rank: PrefillRank = PrefillRank(0, 0)
+    decode_rank: DecodeRank = DecodeRank(0)
+    prefill_layout: PrefillLayout | None = None  # None: one TP rank holding total_kv_heads
+    decode_layout: DecodeLayout = DecodeLayout(1)
+    total_kv_heads: int = 1
+    use_mla: bool = False
+    # What peers must share (the handshake's Compatibility) and this instance's logical block size.
+    kv_byte_settings: KVByteSettings = KVByteSettings(model="")
+    # (KV heads on this rank, head size) from vLLM's model config, to recognise the KV tensors'
+    # layout; None: read from the CPU layout's shape (kv_regions.describe_kv_caches).
+    kv_shape: tuple[int, int] | None = None
+    kv_groups: tuple[KVGroup, ...] = ()
+    layer_partition: tuple[int, ...] | None = None  # a PP prefill's layers per stage (pipeline_stages)
+    num_hidden_layers: int = 0
+
+
 class MooncakeWorker:
-    def __init__(
-        self,
-        config: MooncakeConfig,
-        *,
-        engine_id: str,
-        is_producer: bool,
-        is_consumer: bool,
-        side_channel_port: int,
-        prefill_rank: PrefillRank = PrefillRank(0, 0),
-        decode_rank: DecodeRank = DecodeRank(0),
-        decode_layout: DecodeLayout = DecodeLayout(1),
-        prefill_layout: PrefillLayout | None = None,
-        total_kv_heads: int = 1,
-        use_mla: bool = False,
-        compatibility_base: dict[str, Any] | None = None,
-        kv_groups: tuple[KVGroup, ...] = (),
-        engine_factory: Callable[..., Any] | None = None,
-        layer_partition: tuple[int, ...] | None = None,
-        num_hidden_layers: int = 0,
-    ):
+    def __init__(self, config: MooncakeConfig, context: RankContext,
+                 engine_factory: Callable[..., Any] | None = None):
         self.config = config
-        self.engine_id = engine_id
-        self.is_producer, self.is_consumer = is_producer, is_consumer
-        self.side_channel_port = side_channel_port  # this instance's base (DP rank included)
-        self.prefill_rank, self.decode_rank = prefill_rank, decode_rank
-        self.decode_layout = decode_layout
-        self.prefill_layout = prefill_layout or PrefillLayout(tp_size=1, total_kv_heads=total_kv_heads, use_mla=use_mla)
-        self.total_kv_heads, self.use_mla = total_kv_heads, use_mla
-        self._compat_base = dict(compatibility_base or {})
-        self.kv_groups = kv_groups
+        self.context = context
+        self.prefill_layout = context.prefill_layout or PrefillLayout(
+            tp_size=1, total_kv_heads=context.total_kv_heads, use_mla=context.use_mla)
         self._engine_factory = engine_factory
-        self.reader_id = f"{engine_id}:{decode_rank.tp_rank}"
-        self.layer_partition = layer_partition  # a PP prefill's layers per stage (pipeline_stages)
+        self.reader_id = f"{context.engine_id}:{context.decode_rank.tp_rank}"
 
         self.stats = TransferStatsBase()
         self.ledger = FailureLedger()
         # vLLM maps load-error block ids back to requests only with one KV-cache group (block ids are
         # unique only within a group; with more it raises in the EngineCore): report whole requests.
-        self.failures_per_request = len(kv_groups) > 1
+        self.failures_per_request = len(context.kv_groups) > 1
         self._failed_pulls: set[str] = set()  # failed, not yet seen in finished_recving
         # vLLM steps the engine while blocks are held or pulls run; a step that schedules nothing
         # waits here for news instead of spinning (kv_common.idle_step).
         self.idle_wait = IdleStepWait(config.idle_step_wait_ms)
-        self.holder = PrefillHolder(config, engine_id=engine_id, prefill_layout=self.prefill_layout, stats=self.stats,
-                                    pp_rank=prefill_rank.pp_rank, on_freed=self.idle_wait.notify)
-        self.puller = DecodePuller(config, reader_id=self.reader_id, decode_rank=decode_rank,
-                                   decode_layout=decode_layout, total_kv_heads=total_kv_heads, use_mla=use_mla,
-                                   stats=self.stats, ledger=self.ledger, num_hidden_layers=num_hidden_layers,
-                                   on_finished=self.idle_wait.notify)
+        self.holder = PrefillHolder(config, engine_id=context.engine_id, prefill_layout=self.prefill_layout,
+                                    stats=self.stats, pp_rank=context.prefill_rank.pp_rank,
+                                    on_freed=self.idle_wait.notify)
+        self.puller = DecodePuller(config, reader_id=self.reader_id, decode_rank=context.decode_rank,
+                                   decode_layout=context.decode_layout, total_kv_heads=context.total_kv_heads,
+                                   use_mla=context.use_mla, stats=self.stats, ledger=self.ledger,
+                                   num_hidden_layers=context.num_hidden_layers, on_finished=self.idle_wait.notify)
 
         self.cache: LocalCache | None = None
         self.compatibility: P.Compatibility | None = None
@@ -104,10 +107,11 @@ class MooncakeWorker:
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        layout = self._compat_base
+        context = self.context
+        heads_on_rank, head_size = context.kv_shape or (None, None)
         cache, shape = describe_kv_caches(
-            kv_caches, heads_on_rank=layout.get("heads_on_rank"), head_size=layout.get("head_size"),
-            use_mla=self.use_mla, block_size=layout.get("block_size"),
+            kv_caches, heads_on_rank=heads_on_rank, head_size=head_size, use_mla=context.use_mla,
+            block_size=context.kv_byte_settings.block_size,
         )
         first = next(iter(kv_caches.values()))
         first = first[0] if isinstance(first, (list, tuple)) else first
@@ -115,35 +119,36 @@ class MooncakeWorker:
 
     def register_cache(self, cache: LocalCache, shape: dict[str, int], dtype: str) -> None:
         """Register raw regions (tests and benchmarks use this without torch)."""
-        if self.kv_groups:
-            cache.layer_groups = layer_groups(cache.layer_names, self.kv_groups)
-        if self.is_producer and self.layer_partition is not None:
+        context = self.context
+        if context.kv_groups:
+            cache.layer_groups = layer_groups(cache.layer_names, context.kv_groups)
+        if context.is_producer and context.layer_partition is not None:
             # Every decode expects this stage's layers by the partition: a stage that holds others
             # would have each pull refused, so it does not start.
-            problem = own_stage_problem(cache.layer_names, self.prefill_rank.pp_rank, self.layer_partition)
+            problem = own_stage_problem(cache.layer_names, context.prefill_rank.pp_rank, context.layer_partition)
             if problem:
                 raise ValueError(f"MooncakeConnectorV1: {problem}")
         self.cache = cache
-        base = self._compat_base
+        settings = context.kv_byte_settings
         self.compatibility = P.Compatibility(
-            model=str(base.get("model", "")),
+            model=settings.model,
             dtype=dtype,
             block_size=shape["block_size"],
             head_size=shape["head_size"],
             num_layers=shape["num_layers"],
-            total_kv_heads=1 if self.use_mla else self.total_kv_heads,
-            use_mla=self.use_mla,
+            total_kv_heads=1 if context.use_mla else context.total_kv_heads,
+            use_mla=context.use_mla,
             layout=cache.layout,
-            revision=str(base.get("revision", "")),
-            model_weights=str(base.get("model_weights", "")),
-            quantization=str(base.get("quantization", "")),
-            model_dtype=str(base.get("model_dtype", "")),
-            cache_dtype=str(base.get("cache_dtype", "")),
+            revision=settings.revision,
+            model_weights=settings.model_weights,
+            quantization=settings.quantization,
+            model_dtype=settings.model_dtype,
+            cache_dtype=settings.cache_dtype,
             kernel_block_size=int(shape.get("kernel_block_size", shape["block_size"])),
-            pipeline_parallel_size=int(base.get("pipeline_parallel_size", 1)),
-            cp_kv_cache_interleave_size=int(base.get("cp_kv_cache_interleave_size", 0)),
+            pipeline_parallel_size=settings.pipeline_parallel_size,
+            cp_kv_cache_interleave_size=settings.cp_kv_cache_interleave_size,
             protocol_version=P.PROTOCOL_VERSION,
-            kv_groups=group_layouts(self.kv_groups),
+            kv_groups=group_layouts(context.kv_groups),
         )
         if self._engine_factory is not None:
             self.te = self._engine_factory()
@@ -160,11 +165,11 @@ class MooncakeWorker:
         self.te.register(cache.regions())
         self.holder.attach(cache, self.compatibility, self.te)
         self.puller.attach(cache, self.compatibility, self.te)
-        if self.is_producer or self.config.decode_side_channel:
-            if self.is_producer:
-                port = self.side_channel_port + self.prefill_rank.index(self.prefill_layout)
+        if context.is_producer or self.config.decode_side_channel:
+            if context.is_producer:
+                port = context.side_channel_port + context.prefill_rank.index(self.prefill_layout)
             else:
-                port = self.side_channel_port + self.decode_rank.index(self.decode_layout)
+                port = context.side_channel_port + context.decode_rank.index(context.decode_layout)
             try:
                 self.server = SideChannelServer(
                     self.config.bind_host(), port, self.handle, P.REQUEST_TYPES,
@@ -178,13 +183,13 @@ class MooncakeWorker:
                     f"side_channel_host ({self.config.side_channel_host!r}), else VLLM_HOST_IP or this "
                     f"machine's address ({self.config.advertised_host()!r})") from exc
             logger.info("MooncakeConnectorV1 %s rank: side channel listens on %s, peers are told %s; TE %s",
-                        "prefill" if self.is_producer else "decode", self.server.address,
+                        "prefill" if context.is_producer else "decode", self.server.address,
                         self.config.advertised_host(), self.te.rpc_address)
             if self.config.advertised_host() in ("0.0.0.0", "::"):  # vLLM's answer when no route is found
                 logger.warning("MooncakeConnectorV1: peers are told %s, which no peer can connect to: set "
                                "VLLM_HOST_IP or side_channel_host to this machine's address",
                                self.config.advertised_host())
-        if self.is_consumer:
+        if context.is_consumer:
             self.puller.start_threads()
 
     # ---- per step ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_common.logging_utils import get_logger
+from kv_common.retry import Backoff, Retry
 
 from kv_mooncake.engine.pacing import ASK_TURN_WAIT_S, OVERSLEPT_S, ThroughputEstimate, sleep_until_expected
 from kv_mooncake.engine.peer_budgets import FAST_FAILURE_S, FirstContact, PeerBudget, PeerReads
@@ -38,6 +39,9 @@ _ATTEMPT_TIMEOUT_ENV = ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "M
 # a stalled attempt fails after the attempt timeout: the bar sits between the two.
 _FAST_FAILURE_SHARE = 0.6  # of the attempt timeout
 _MAX_FAST_FAILURES = 3
+# A failed read is read again until the deadline, after a pause doubling from 50 ms to 1 s; its
+# ``total`` counts the fast failures in a row (a slow one, a timeout, starts the count over).
+_READ_RETRY = Retry(total=_MAX_FAST_FAILURES, backoff=Backoff(0.05, 2.0, 1.0))
 
 
 def _attempt_timeout_s() -> float:
@@ -188,7 +192,7 @@ class MooncakeTransferEngine:
     def _read_chunk(self, peer: str, reads: PeerReads, local: Sequence[int], remote: Sequence[int],
                     lengths: Sequence[int], deadline: float | None, on_retry: Callable[[str], None] | None,
                     fast_failures: int = 0, attempts: int = 0) -> None:
-        backoff = 0.05
+        failures = 0  # in this loop: which pause comes next
         while True:
             attempts += 1
             # Waiting for the peer's reads counts against the pull's deadline like everything else.
@@ -204,13 +208,14 @@ class MooncakeTransferEngine:
             took = time.monotonic() - started
             fast_failures = fast_failures + 1 if took < self._fast_failure_s else 0
             what = f"{len(lengths)} reads from {peer}, attempt {attempts} failed after {took:.1f}s"
-            if deadline is None or fast_failures >= _MAX_FAST_FAILURES or time.monotonic() + backoff >= deadline:
+            failures += 1
+            pause = _READ_RETRY.pause(failures)
+            if deadline is None or not _READ_RETRY.allows(fast_failures, deadline, pause=pause):
                 raise TransferError("batch_transfer_sync_read", rc, what)
             logger.warning("Mooncake: %s; reading again", what)
             if on_retry is not None:
                 on_retry(what)
-            time.sleep(backoff)
-            backoff = min(2 * backoff, 1.0)
+            time.sleep(pause)
 
     def read_batches(
         self,

@@ -23,7 +23,7 @@ from kv_common.kv_layout import KVPart, LayoutError
 
 from kv_mooncake.errors import PlanError, PullFailed
 from kv_mooncake.kv_regions import LocalCache
-from kv_mooncake.params import GroupBlocks, RemoteSource
+from kv_mooncake.params import RemoteSource
 from kv_mooncake.step import PullRequest
 from kv_mooncake.wire import messages as P
 
@@ -61,11 +61,11 @@ def check_peer(cache: LocalCache, source: RemoteSource, hs: P.HandshakeReply) ->
                          f"prefill {hs.kernel_blocks_per_block}")
 
 
-def no_null_blocks(req: PullRequest, groups: list[GroupBlocks]) -> None:
+def no_null_blocks(req: PullRequest) -> None:
     """With several KV-cache groups, vLLM's null block (id 0) stands for a sliding window's dropped
     blocks: a block to pull must be a real one on both sides, else its KV is gone (or would land in
     the null block, which every request shares)."""
-    remote = req.source.group_block_ids()
+    groups, remote = req.blocks_by_group, req.source.block_ids_by_group
     if not (len(groups) == len(remote) == len(req.local_block_ids)):
         raise PlanError(f"KV-cache groups: {len(groups)} planned, the decode has {len(req.local_block_ids)} "
                         f"block lists, the prefill sent {len(remote)}")
@@ -90,7 +90,7 @@ def transfer_ranges(cache: LocalCache, hs: P.HandshakeReply, req: PullRequest, p
     default for pulls of many blocks and layers): ``pull.byte_ranges``, held to this loop by tests."""
     check_peer(cache, req.source, hs)
     rparts_by_layer = remote_parts(hs)
-    remote_groups = req.source.group_block_ids()
+    remote_groups = req.source.block_ids_by_group
     if not (pull.group < len(req.local_block_ids) and pull.group < len(remote_groups)):
         raise PullFailed(f"KV-cache group {pull.group}: the decode has {len(req.local_block_ids)} block lists, "
                          f"the prefill sent {len(remote_groups)}")

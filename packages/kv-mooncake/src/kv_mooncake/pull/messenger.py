@@ -5,12 +5,13 @@ Over the prefill ranks' side channels (connections kept open) a decode rank send
 takes and renews the lease on the blocks it reads (``PullStarted`` / ``LeaseRenew``), says
 ``PullDone`` once it read (its reply confirms the lease held throughout) or gave up, ``FreeNow`` when
 nobody reads, and keeps accepted requests' holds alive (``HoldKeepAlive``) until their pull takes a
-lease. A peer silent for a whole pull is presumed down (``pull.peers.PeerBreaker``): later
-messages fail fast.
+lease. A peer silent for a whole pull is presumed down (``pull.peers.peer_breaker``): later
+messages fail fast. How often each message is tried again is a ``kv_common.retry.Retry``.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 from kv_common.logging_utils import get_logger
+from kv_common.retry import Backoff, Retry
 
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.errors import (
@@ -32,7 +34,7 @@ from kv_mooncake.errors import (
 from kv_mooncake.params import RemoteSource
 from kv_mooncake.pipeline_stages import waive_stage_fields
 from kv_mooncake.pull.lease import EarlyLease
-from kv_mooncake.pull.peers import PeerBreaker, ReachabilityProbe
+from kv_mooncake.pull.peers import ReachabilityProbe, peer_breaker
 from kv_mooncake.pull.plan import RankPull
 from kv_mooncake.rank_layout import DecodeRank, PrefillLayout, PrefillRank
 from kv_mooncake.wire import client as side_channel
@@ -65,7 +67,16 @@ class PrefillMessenger:
         # Hold heartbeats on their own thread: one to a frozen prefill must not delay a DONE.
         self._heartbeats: ThreadPoolExecutor | None = None
         self._heartbeats_queued: set[str] = set()
-        self._breaker = PeerBreaker()  # prefill ranks presumed down fail fast
+        self._breaker = peer_breaker()  # prefill ranks presumed down fail fast
+        # Within a pull's deadline: after a Refused(retry=True) ("busy") a short pause, doubling;
+        # after a try that timed out, at once a try twice as long (a starved prefill answers in turn).
+        self._ask_retry = Retry(backoff=Backoff(0.005, 2.0, 0.1),
+                                try_timeout=Backoff(config.handshake_timeout_s, 2.0))
+        # DONE / FreeNow: for up to a lease, each try twice as long as the one before; to a peer
+        # presumed down or unreachable, one short try.
+        self._notify_retry = Retry(deadline_s=config.lease_s,
+                                   try_timeout=Backoff(min(1.0, config.handshake_timeout_s), 2.0))
+        self._notify_once = Retry(total=1, try_timeout=Backoff(0.2))
         # Addresses where nothing can answer (refused, no route) fail at once: the side channel would
         # retry quietly until the deadline.
         self._reachability = ReachabilityProbe(timeout_s=min(0.5, config.handshake_timeout_s))
@@ -184,36 +195,36 @@ class PrefillMessenger:
         return self._until(deadline, address, lambda timeout_s: self._request(address, message, timeout_s))
 
     def _until(self, deadline: float, address: str, call: Callable[[float], msgspec.Struct]) -> msgspec.Struct:
-        """Repeat ``call`` while the peer answers Refused(retry=True) or not at all, until the deadline.
-        A peer silent until the deadline is presumed down (``PeerBreaker``); a pull waiting on a peer
-        that another pull found down gives up at once. ``call(timeout_s)``: one try, bounded by
-        ``handshake_timeout_s``, each try after a timeout twice as long as the one before."""
-        delay = 0.005
-        try_s = self.config.handshake_timeout_s
+        """Repeat ``call`` while the peer answers Refused(retry=True) or not at all, until the deadline
+        (``self._ask_retry``). A peer silent until the deadline is presumed down (``peer_breaker``); a
+        pull waiting on a peer that another pull found down gives up at once. ``call(timeout_s)``: one
+        try, bounded by ``handshake_timeout_s``, each try after a timeout twice as long as the one before."""
+        policy = self._ask_retry
+        refusals = timeouts = 0
         while True:
-            if self._breaker.is_open(address):
+            if self._breaker.state(address) == "open":
                 raise PeerDown(f"{address} presumed down (silent for a whole pull); it is probed again later")
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if not policy.allows(refusals + timeouts, deadline, now=now):
                 raise PullFailed("deadline passed")
             try:
-                reply = call(min(left, try_s))
+                reply = call(policy.timeout(timeouts, deadline - now))
             except SideChannelTimeout:
                 # A busy prefill (its side-channel thread starved on a shared core) gets until the
                 # pull's deadline, not just one request's timeout; the request is idempotent.
                 if deadline - time.monotonic() <= 0:
-                    self._breaker.silent(address)
+                    self._breaker.failure(address)
                     raise
                 self._check_reachable(address)  # gone meanwhile (refused): no use waiting
                 # The prefill still answers the request given up on (to nobody), in turn: asked again
                 # at the same pace, one slower than a try never gets through its queue in time.
-                try_s *= 2
+                timeouts += 1
                 continue
-            self._breaker.answered(address)
+            self._breaker.success(address)
             if not (isinstance(reply, P.Refused) and reply.retry):
                 return reply
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.1)
+            refusals += 1
+            time.sleep(min(policy.pause(refusals), max(0.0, deadline - time.monotonic())))
 
     # ---- after a pull ------------------------------------------------------------------------
     def pull_finished(self, source: RemoteSource, prefill: PrefillLayout, counts: dict[PrefillRank, int],
@@ -257,29 +268,32 @@ class PrefillMessenger:
         """Deliver a DONE / FreeNow, retrying for up to ``lease_s``: a busy prefill (its side channel
         thread starved on a loaded host) must not keep the blocks until expiry because one answer
         came late. DONE and FreeNow are idempotent on the prefill, so a repeat is harmless. A peer
-        presumed down (``PeerBreaker``) or where nothing can answer (refused, no route) gets one short
+        presumed down (``peer_breaker``) or where nothing can answer (refused, no route) gets one short
         try per message; a refusal for the side-channel secret is final (secrets never start to match)."""
-        now = time.monotonic()
+        start = time.monotonic()
         presumed_dead = self._breaker.state(address) != "closed" or \
             self._reachability.unreachable(address) is not None
-        give_up = now + (0.0 if presumed_dead else self.config.lease_s)
-        timeout = 0.2 if presumed_dead else min(1.0, self.config.handshake_timeout_s)
+        policy = self._notify_once if presumed_dead else self._notify_retry
+        give_up = policy.deadline(start)
+        failures = 0
+        left = math.inf  # the first try: its own bound only
         while True:
             try:
-                self._request(address, message, timeout)
-                self._breaker.answered(address)
+                self._request(address, message, policy.timeout(failures, left))
+                self._breaker.success(address)
                 return
             except SideChannelError as exc:
-                left = give_up - time.monotonic()
-                if left <= 0 or isinstance(exc, SideChannelRefused):
+                failures += 1
+                now = time.monotonic()
+                if not policy.allows(failures, give_up, now=now) or isinstance(exc, SideChannelRefused):
                     if isinstance(exc, SideChannelTimeout) and not presumed_dead:
-                        self._breaker.silent(address)
+                        self._breaker.failure(address)
                     self._client.forget(address)
                     logger.warning("MooncakeConnectorV1: %s to %s not delivered: %s",
                                    type(message).__name__, address, exc)
                     return
                 # Each try twice as long (as in ``_until``): a starved prefill answers in turn.
-                timeout = min(2 * timeout, max(0.05, left))
+                left = math.inf if give_up is None else max(0.05, give_up - now)
 
     # ---- without a pull ----------------------------------------------------------------------
     def keep_alive(self, source: RemoteSource, prefill: PrefillLayout) -> None:
@@ -303,7 +317,7 @@ class PrefillMessenger:
                 continue  # presumed down: its pulls fail fast anyway
             try:
                 self._request(address, message, min(1.0, self.config.lease_s / 3, self.config.handshake_timeout_s))
-                self._breaker.answered(address)
+                self._breaker.success(address)
             except SideChannelError as exc:
                 logger.debug("MooncakeConnectorV1: keep-alive to %s not delivered: %s", address, exc)
 

@@ -1,9 +1,9 @@
 """Decode side: keep one unreachable prefill from costing the pulls of every other.
 
-``PeerBreaker`` is a circuit breaker per prefill rank address. A peer that stayed silent for a
-whole pull (no reply at all until the pull's deadline: a frozen or dead process) is presumed down:
-pulls to it fail at once instead of each waiting out its own deadline. After a back-off (doubling,
-capped) one pull probes it again; any reply closes the breaker.
+``peer_breaker`` is a circuit breaker per prefill rank address (``kv_common.breaker``). A peer
+that stayed silent for a whole pull (no reply at all until the pull's deadline: a frozen or dead
+process) is presumed down: pulls to it fail at once instead of each waiting out its own deadline.
+After a back-off (doubling, capped) one pull probes it again; any reply closes the breaker.
 
 ``ReachabilityProbe`` tells at once an address where nothing can answer (connection refused, no
 route): the side channel does not report those, it tries again quietly until the request's deadline
@@ -16,66 +16,27 @@ never queue behind pulls waiting on a silent one.
 from __future__ import annotations
 
 import errno
+import functools
 import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
+
+from kv_common.breaker import Breaker, KeyedBreaker
+from kv_common.retry import Backoff
 
 from kv_mooncake.wire.connection import split_address
 
-State = Literal["closed", "open", "probing"]
 
-
-@dataclass
-class _Peer:
-    state: State = "closed"
-    retry_at: float = 0.0
-    backoff_s: float = 0.0
-
-
-class PeerBreaker:
-    def __init__(self, first_backoff_s: float = 1.0, max_backoff_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self._first, self._max = first_backoff_s, max_backoff_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._peers: dict[str, _Peer] = {}
-
-    def allow(self, peer: str) -> bool:
-        """May a new pull talk to ``peer``? When the back-off has passed, the first caller probes."""
-        with self._lock:
-            p = self._peers.get(peer)
-            if p is None or p.state == "closed":
-                return True
-            if p.state == "open" and self._clock() >= p.retry_at:
-                p.state = "probing"
-                return True
-            return False
-
-    def is_open(self, peer: str) -> bool:
-        """Presumed down and not being probed: pulls already waiting on it should give up."""
-        with self._lock:
-            p = self._peers.get(peer)
-            return p is not None and p.state == "open"
-
-    def silent(self, peer: str) -> None:
-        """``peer`` did not answer for a whole pull (or a whole DONE delivery): open the breaker."""
-        with self._lock:
-            p = self._peers.setdefault(peer, _Peer())
-            p.backoff_s = self._first if p.state == "closed" else min(self._max, 2 * p.backoff_s)
-            p.state, p.retry_at = "open", self._clock() + p.backoff_s
-
-    def answered(self, peer: str) -> None:
-        with self._lock:
-            self._peers.pop(peer, None)
-
-    def state(self, peer: str) -> State:
-        with self._lock:
-            p = self._peers.get(peer)
-            return "closed" if p is None else p.state
+def peer_breaker(clock: Callable[[], float] = time.monotonic) -> KeyedBreaker[str]:
+    """Per prefill rank address: open after one silence (no reply for a whole pull, or a whole DONE
+    delivery: ``failure``), 1 s then doubling up to 30 s; one pull probes after it (``allow``),
+    any reply closes it (``success``). Silent again while open: open again, for longer. ``state``
+    "open" (presumed down, nobody probing): pulls already waiting on it give up."""
+    return KeyedBreaker(functools.partial(Breaker, threshold=1, cooldown=Backoff(1.0, 2.0, 30.0), half_open="one",
+                                          failure_while_open="reopen", clock=clock))
 
 
 # What the kernel answers at once for an address where no side channel can answer: nothing listens

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kv_mooncake.errors import PlanError
-from kv_mooncake.params import GroupBlocks
+from kv_mooncake.group_blocks import GroupBlocks
 from kv_mooncake.pipeline_stages import for_each_stage
 from kv_mooncake.rank_layout import DecodeLayout, DecodeRank, PrefillLayout, PrefillRank
 

@@ -190,10 +190,10 @@ class DecodePuller:
         job = _PullJob(req=req, prefill=self._layouts(req.source), start=time.monotonic())
         job.deadline = job.start + self.config.pull_timeout_s
         seed = request_seed(req.source.request_id)
-        groups = req.blocks_by_group()
+        groups = req.blocks_by_group
         try:
-            if req.group_blocks:
-                no_null_blocks(req, groups)
+            if req.check_null_blocks:
+                no_null_blocks(req)
             job.pulls = plan_group_pulls(job.prefill, self.decode_layout, self.decode_rank, groups, seed)
             job.counts = group_readers_per_prefill_rank(job.prefill, self.decode_layout, groups, seed,
                                                         planned={self.decode_rank: job.pulls})
@@ -290,7 +290,7 @@ class DecodePuller:
             logger.warning("MooncakeConnectorV1: pull of request %s (remote %s) failed after %.2fs: %s "
                            "(%d of %d blocks not read)", req.request_id, source.request_id,
                            time.monotonic() - job.start, error, len(job.unread),
-                           sum(max(0, b.end - max(0, b.first)) for b in req.blocks_by_group()))
+                           sum(max(0, b.end - max(0, b.first)) for b in req.blocks_by_group))
             self.stats.record_failure("timeout" if "deadline" in str(error) else "pull")
             # Only what was not read: vLLM recomputes from the first failed block on.
             unread = sorted(job.unread)
@@ -310,7 +310,7 @@ class DecodePuller:
         source = req.source
         hs = self.messenger.handshake(address, source.engine_id, deadline)
         layers = _stage_layers(job, pulls[0], hs, address)
-        remote_groups = source.group_block_ids()
+        remote_groups = source.block_ids_by_group
         try:
             block_ids = sorted({remote_groups[pull.group][src_pos] for pull in pulls for src_pos, _ in pull.blocks})
         except IndexError as exc:
@@ -409,7 +409,7 @@ class DecodePuller:
         index = {name: i for i, name in enumerate(self.cache.layer_names)}
         layers = [index[name] for name in hs.layer_names]  # the prefill's layer order
         for src_pos, dst_pos in batch.blocks:
-            remote_block = req.source.group_block_ids()[batch.group][src_pos]
+            remote_block = req.source.block_ids_by_group[batch.group][src_pos]
             local_block = req.local_block_ids[batch.group][dst_pos]
             for span in batch.spans:
                 got = head_digests(ranges, layers, local_block,
