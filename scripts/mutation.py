@@ -67,7 +67,8 @@ TARGETS = [
     Target("kv-mooncake", "kv_mooncake/group_blocks.py",
            _tests("test_hybrid_groups", "test_pull_plan", "test_hybrid_pull")),
     Target("kv-mooncake", "kv_mooncake/hold/ledger.py",
-           _tests("test_delayed_free_mutants", "test_delayed_free", "test_hold_protocol_model", "test_hold_protocol")),
+           _tests("test_delayed_free_mutants", "test_delayed_free", "test_early_lease", "test_hold_protocol_model",
+                  "test_hold_protocol")),
     # What must match (fingerprint, prompt digest, KV digest): one module since the rooms (issue 43).
     Target("kv-mooncake", "kv_mooncake/identity.py",
            _tests("test_fingerprint_mutants", "test_prompt_identity_mutants", "test_fingerprint_pinned",

@@ -420,3 +420,51 @@ def test_a_new_hold_forgets_the_confirmations_of_the_last():
     assert ledger.finish_read("r", "a", 2) is True
     ledger.hold("r", 1, 10.0, HeldBlocks(1, frozenset({9})))  # held again, other blocks
     assert ledger.finish_read("r", "a", 2) is False
+
+
+def test_the_first_announcement_of_readers_counts_whichever_message_brings_it():
+    ledger, freed = _held()
+    _start(ledger, expected=2)  # PullStarted announces two readers ...
+    assert ledger.finish_read("r", "a", 1) is True and freed == []  # ... a later DONE changes nothing
+    other, freed = _held()
+    assert other.finish_read("r", "a", 2) is False and freed == []  # a DONE's announcement counts too
+    ledger, freed = make()
+    ledger.finish_read("r", "a", 2)  # before the hold: its announcement is the one that counts
+    ledger.hold("r", 1, 10.0)
+    _start(ledger, reader="b", expected=3, blocks=(), digest="")
+    assert ledger.finish_read("r", "b", 3) is False and freed == [("r", "done")]
+
+
+def test_a_hold_nobody_reads_that_the_decode_freed_first_is_aborted():
+    ledger, freed = make()
+    ledger.free_now("x")
+    ledger.hold("x", 0, 10.0)
+    assert freed == [("x", "aborted")]
+    ledger.hold("y", 0, 10.0)
+    assert freed[-1] == ("y", "done")
+
+
+def test_what_outlives_a_hold_is_bounded_oldest_first():
+    from kv_mooncake.hold.ledger import RECENT
+
+    ledger, _ = make()
+    for i in range(RECENT + 1):
+        ledger.free_now(f"o{i}")
+        ledger.hold(f"f{i}", 0, 10.0)
+    assert len(ledger._overtaken) == RECENT == 4096 and "o0" not in ledger._overtaken and f"o{RECENT}" in ledger._overtaken
+    assert len(ledger._recently_freed) == RECENT and ledger.freed_reason("f0") is None
+    assert ledger.freed_reason(f"f{RECENT}") == "done"
+    ledger, _ = make()
+    for i in range(RECENT + 1):
+        ledger.hold(f"c{i}", 2, 10.0)
+        ledger.begin_read(f"c{i}", "a", 3.0)
+        assert ledger.finish_read(f"c{i}", "a", 2) is True
+    assert len(ledger._confirmed) == RECENT and "c0" not in ledger._confirmed and f"c{RECENT}" in ledger._confirmed
+
+
+def test_a_refusal_names_at_most_eight_block_ids():
+    ledger, _ = _held()
+    nine = _start(ledger, blocks=range(100, 109))
+    assert "block ids [100, 101, 102, 103, 104, 105, 106, 107]... not held" in nine.reason
+    eight = _start(ledger, blocks=range(100, 108))
+    assert "block ids [100, 101, 102, 103, 104, 105, 106, 107] not held" in eight.reason

@@ -52,3 +52,14 @@ def test_every_problem_is_listed():
         "pipeline_parallel_size", "cp_kv_cache_interleave_size", "prefill_context_parallel_size",
         "prefill_context_parallel_size",
     ]
+
+
+def test_group_layouts_are_sent_only_when_blocks_are_planned_per_group():
+    from kv_common.kv_cache_groups import KVGroup
+    from kv_mooncake.identity import group_layouts
+
+    full = KVGroup(0, "full", "FullAttentionSpec", 16, ("l0",))
+    window = KVGroup(1, "sliding_window", "SlidingWindowSpec", 16, ("l1",), sliding_window=32)
+    assert group_layouts(()) == () and group_layouts((full,)) == ()  # what peers without hybrid support send
+    layouts = group_layouts((full, window))
+    assert len(layouts) == 2 and '"kind":"sliding_window"' in layouts[1] and '"kind":"full"' in layouts[0]

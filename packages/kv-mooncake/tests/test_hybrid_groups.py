@@ -331,3 +331,12 @@ def test_layers_in_no_group_are_refused():
     names = [n for g in _groups() for n in g.layer_names] + ["stray.0"]
     with pytest.raises(ValueError, match=r"\['stray.0'\] are in no KV-cache group"):
         w.register_kv_caches({name: torch.zeros(8, HEADS, 4, 2 * HEAD) for name in names})
+
+
+def test_blocks_are_planned_per_group_with_several_groups_or_a_window():
+    from kv_mooncake.group_blocks import plans_per_group
+
+    full = KVGroup(0, "full", "FullAttentionSpec", 16, ("l0",))
+    window = KVGroup(1, "sliding_window", "SlidingWindowSpec", 16, ("l1",), sliding_window=32)
+    assert not plans_per_group([]) and not plans_per_group([full])  # one full-attention group: one list
+    assert plans_per_group([full, full]) and plans_per_group([window]) and plans_per_group([full, window])

@@ -263,3 +263,48 @@ def test_heads_that_do_not_divide_are_refused_with_nothing_to_pull(p_tp, heads, 
         _pulls(prefill, decode, blocks=0)
     with pytest.raises(PlanError):
         readers_per_prefill_rank(prefill, decode, 2, skip_blocks=2)
+
+
+# ---- per KV-cache group, and the rank layout (moved out of the plan, issue 43) ---------------------
+
+def test_plan_group_pulls_tags_each_group_and_orders_by_prefill_rank():
+    from kv_mooncake.group_blocks import GroupBlocks
+    from kv_mooncake.pull.plan import plan_group_pulls
+
+    prefill, decode = PrefillLayout(tp_size=2, total_kv_heads=2), DecodeLayout(tp_size=1)
+    groups = [GroupBlocks(0, 2), GroupBlocks(1, 3)]
+    pulls = plan_group_pulls(prefill, decode, DecodeRank(0), groups)
+    assert [(p.source.tp_rank, p.group, p.blocks) for p in pulls] == [
+        (0, 0, ((0, 0), (1, 1))), (0, 1, ((1, 1), (2, 2))), (1, 0, ((0, 0), (1, 1))), (1, 1, ((1, 1), (2, 2)))]
+    assert plan_group_pulls(prefill, decode, DecodeRank(0), groups, seed=0) == pulls  # seed 0 by default
+    # Replicas (one head on two prefill ranks): the seed picks the source, the default is seed 0.
+    replicas = PrefillLayout(tp_size=2, total_kv_heads=1)
+    by_seed = {seed: plan_group_pulls(replicas, decode, DecodeRank(0), groups[:1], seed)[0].source
+               for seed in (0, 1)}
+    assert by_seed[0] != by_seed[1]
+    assert plan_group_pulls(replicas, decode, DecodeRank(0), groups[:1])[0].source == by_seed[0]
+
+
+def test_group_readers_count_each_decode_rank_once_per_prefill_rank():
+    from kv_mooncake.group_blocks import GroupBlocks
+    from kv_mooncake.pull.plan import group_readers_per_prefill_rank, plan_group_pulls
+
+    prefill, decode = PrefillLayout(tp_size=2, total_kv_heads=2), DecodeLayout(tp_size=1)
+    groups = [GroupBlocks(0, 2), GroupBlocks(1, 2)]
+    both = {PrefillRank(0): 1, PrefillRank(1): 1}
+    assert group_readers_per_prefill_rank(prefill, decode, groups) == both  # two groups, one reader each
+    own = plan_group_pulls(prefill, decode, DecodeRank(0), groups)
+    assert group_readers_per_prefill_rank(prefill, decode, groups, planned={DecodeRank(0): own}) == both
+    first_only = [p for p in own if p.source == PrefillRank(0)]
+    assert group_readers_per_prefill_rank(prefill, decode, groups, planned={DecodeRank(0): first_only}) == {
+        PrefillRank(0): 1, PrefillRank(1): 0}  # a decode rank's own plan is taken as given
+    one_prefill = PrefillLayout(tp_size=1, total_kv_heads=2)
+    assert group_readers_per_prefill_rank(one_prefill, DecodeLayout(tp_size=2), groups) == {PrefillRank(0): 2}
+    assert group_readers_per_prefill_rank(prefill, decode, [GroupBlocks(2, 2)]) == dict.fromkeys(both, 0)
+
+
+def test_rank_index_and_world_size_count_every_stage():
+    layout = PrefillLayout(tp_size=2, total_kv_heads=2, pcp_size=2, pp_size=2)
+    assert PrefillRank(1, 1, 1).index(layout) == 7  # (pp * pcp + pcp_rank) * tp + tp_rank
+    assert PrefillRank(0, 0, 1).index(layout) == 4
+    assert layout.world_size == 8 and PrefillLayout(tp_size=2, total_kv_heads=2, pp_size=2).world_size == 4

@@ -153,21 +153,22 @@ class HoldLedger:
             self._confirmed.pop(request_id, None)  # a new hold: no read of it is confirmed yet
             if overtaken is not None:
                 expected_done = max(expected_done, overtaken.expected_readers)
+            current = self._holds.get(request_id)
             if expected_done <= 0:  # nobody will read: nothing to wait for
                 freed = [self._release(request_id, "done")]
+            elif current is not None:  # held twice (a retried finish): nothing overtook a hold in place
+                self._hold_again(request_id, current, expected_done, ttl_s, blocks, now)
+                freed = []
             else:
-                hold = self._hold(request_id, expected_done, ttl_s, blocks, now)
-                freed = self._apply(request_id, hold, overtaken, now)
+                hold = self._holds[request_id] = HeldRequest(expected_done, now + ttl_s, ttl_s, created=now,
+                                                             blocks=blocks or HeldBlocks(), blocks_since=now)
+                freed = self._apply(request_id, hold, overtaken)
         self._free(freed)
 
-    def _hold(self, request_id: str, expected_done: int, ttl_s: float, blocks: HeldBlocks | None,
-              now: float) -> HeldRequest:
-        current = self._holds.get(request_id)
-        if current is None:
-            current = self._holds[request_id] = HeldRequest(expected_done, now + ttl_s, ttl_s, created=now,
-                                                            blocks=blocks or HeldBlocks(), blocks_since=now)
-            return current
-        # Held twice (e.g. a retried finish): keep the readers seen, widen the limits.
+    @staticmethod
+    def _hold_again(request_id: str, current: HeldRequest, expected_done: int, ttl_s: float,
+                    blocks: HeldBlocks | None, now: float) -> None:
+        """Keep the readers seen, widen the limits."""
         current.expected_done = max(current.expected_done, expected_done)
         current.deadline = max(current.deadline, now + ttl_s)
         if blocks is not None:
@@ -176,24 +177,18 @@ class HoldLedger:
                 current.blocks_since = now
             current.blocks = blocks
         logger.debug("request %s held again", request_id)
-        return current
 
-    def _apply(self, request_id: str, hold: HeldRequest, overtaken: Overtaken | None,
-               now: float) -> list[tuple[str, FreeReason]]:
-        """Under the lock: the messages that overtook ``hold``, as if they came after it."""
+    def _apply(self, request_id: str, hold: HeldRequest, overtaken: Overtaken | None) -> list[tuple[str, FreeReason]]:
+        """Under the lock: the messages that overtook a new ``hold``, as if they came after it (it
+        has no lease yet: nothing keeps it once they say so)."""
         if overtaken is None:
             return []
         if overtaken.readers_done:  # their count of readers is the one announced
             hold.announce_readers(overtaken.expected_readers)
             hold.readers_done |= overtaken.readers_done
-            reason = hold.settled(now)
-            if reason is not None:
-                return [self._release(request_id, reason)]
-        if overtaken.free_now:
-            hold.aborted = True
-            if not hold.has_current_lease(now):
-                return [self._release(request_id, "aborted")]
-        return []
+            if hold.all_read():
+                return [self._release(request_id, "done")]
+        return [self._release(request_id, "aborted")] if overtaken.free_now else []
 
     def expect_readers(self, request_id: str, expected_done: int) -> None:
         """``HeldRequest.announce_readers`` for a held request. Leaves the deadline alone: a hold a
