@@ -301,6 +301,9 @@ def test_group_readers_count_each_decode_rank_once_per_prefill_rank():
     one_prefill = PrefillLayout(tp_size=1, total_kv_heads=2)
     assert group_readers_per_prefill_rank(one_prefill, DecodeLayout(tp_size=2), groups) == {PrefillRank(0): 2}
     assert group_readers_per_prefill_rank(prefill, decode, [GroupBlocks(2, 2)]) == dict.fromkeys(both, 0)
+    replicas = PrefillLayout(tp_size=2, total_kv_heads=1)  # the seed picks the replica; 0 by default
+    by_seed = [group_readers_per_prefill_rank(replicas, decode, groups, seed) for seed in (0, 1, -1)]
+    assert group_readers_per_prefill_rank(replicas, decode, groups) == by_seed[0] != by_seed[1] == by_seed[2]
 
 
 def test_rank_index_and_world_size_count_every_stage():
