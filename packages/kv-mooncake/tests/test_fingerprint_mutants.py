@@ -63,3 +63,15 @@ def test_group_layouts_are_sent_only_when_blocks_are_planned_per_group():
     assert group_layouts(()) == () and group_layouts((full,)) == ()  # what peers without hybrid support send
     layouts = group_layouts((full, window))
     assert len(layouts) == 2 and '"kind":"sliding_window"' in layouts[1] and '"kind":"full"' in layouts[0]
+    # One spelling for every release: keys sorted, no spaces (a peer compares the strings).
+    assert layouts[1].startswith('{"attention_chunk_size":null,"block_size":16,') and ", " not in layouts[1]
+
+
+def test_verify_kv_without_xxhash_names_the_extra(monkeypatch):
+    import sys
+
+    from kv_mooncake.identity import head_digests
+
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # not installed
+    with pytest.raises(ImportError, match=r"pip install 'kv-mooncake\[verify\]'"):
+        head_digests(lambda layer, block, head: [], [0], 0, [0])
