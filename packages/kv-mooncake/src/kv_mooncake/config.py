@@ -10,6 +10,7 @@ from kv_common.config import ConfigKeyError, ConnectorConfig, parse_extra_config
 from kv_common.idle_step import DEFAULT_IDLE_STEP_WAIT_MS, check_idle_step_wait_ms
 
 from kv_mooncake.pipeline_stages import parse_partition
+from kv_mooncake.wire.connection import rank_port
 
 CONNECTOR_NAME = "MooncakeConnectorV1"
 
@@ -167,7 +168,7 @@ def _preflight(config: MooncakeConfig, ktc: Mapping[str, Any]) -> Any:
         plan.advertise.append((config.advertised_host(), "side channel (kv_transfer_params' remote_host)",
                                "side_channel_host"))
         for rank in range(ranks):
-            plan.bind.append((config.bind_host(), base + rank, f"side channel of worker rank {rank}"))
+            plan.bind.append((config.bind_host(), rank_port(base, rank), f"side channel of worker rank {rank}"))
     else:
         plan.notes.append("decode: listens on no side-channel port (decode_side_channel is false)")
     plan.advertise.append((config.transfer_engine_host(), "TransferEngine (it listens on every interface)",

@@ -38,6 +38,7 @@ from kv_mooncake.rank_layout import DecodeLayout, DecodeRank, PrefillLayout, Pre
 from kv_mooncake.step import MooncakeStep
 from kv_mooncake.wire import client as side_channel
 from kv_mooncake.wire import messages as P
+from kv_mooncake.wire.connection import rank_port
 from kv_mooncake.wire.seal import SideChannelAuth, auth_from_env
 from kv_mooncake.wire.server import SideChannelServer
 
@@ -167,9 +168,9 @@ class MooncakeWorker:
         self.puller.attach(cache, self.compatibility, self.te)
         if context.is_producer or self.config.decode_side_channel:
             if context.is_producer:
-                port = context.side_channel_port + context.prefill_rank.index(self.prefill_layout)
+                port = rank_port(context.side_channel_port, context.prefill_rank.index(self.prefill_layout))
             else:
-                port = context.side_channel_port + context.decode_rank.index(context.decode_layout)
+                port = rank_port(context.side_channel_port, context.decode_rank.index(context.decode_layout))
             try:
                 self.server = SideChannelServer(
                     self.config.bind_host(), port, self.handle, P.REQUEST_TYPES,

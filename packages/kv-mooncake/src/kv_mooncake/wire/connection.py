@@ -71,10 +71,16 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def rank_port(base_port: int, rank_offset: int) -> int:
+    """The side-channel port of the worker ``rank_offset`` ranks past an instance's base port: every
+    worker rank listens on its own port, base + its rank index (``rank_layout.PrefillRank.index``).
+    The one formula: the worker binds it, the decode and the proxy address it, doctor checks it; the
+    base itself (configured port, DP rank) is ``config.side_channel_base_port``."""
+    return base_port + rank_offset
+
+
 def rank_address(host: str, base_port: int, rank_offset: int) -> str:
-    """The side channel of the worker ``rank_offset`` ranks past an instance's base port: every worker
-    rank listens on its own port, base + its rank index (``rank_layout.PrefillRank.index``)."""
-    return f"{host}:{base_port + rank_offset}"
+    return f"{host}:{rank_port(base_port, rank_offset)}"
 
 
 def _resolve(host: str, port: int, *, passive: bool = False) -> tuple[int, Any]:
